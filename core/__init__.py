@@ -1,0 +1,1 @@
+"""The engine core: config, requests, KV cache, scheduler, model runner, sampler, engine."""

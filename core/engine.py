@@ -1,0 +1,266 @@
+"""LLMEngine: add_request / abort_request / step over the scheduler, KV cache manager and model runner."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from vserve.core.config import EngineConfig
+from vserve.core.detokenizer import IncrementalDetokenizer
+from vserve.core.kv_cache import KVCacheManager
+from vserve.core.loader import DTYPES, build_model, resolve_model
+from vserve.core.memory import GiB, check_fits_one_sequence, default_cpu_kv_budget, kv_bytes_per_block
+from vserve.core.model_config import ModelConfig
+from vserve.core.model_runner import ModelRunner
+from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from vserve.core.sampling_params import SamplingParams
+from vserve.core.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    # vLLM's rule: bf16 checkpoints stay bf16, fp16/fp32 ones run in fp16.
+    return torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float16
+
+
+def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
+    if fmt == "gguf":
+        from vserve.core.gguf_file import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from vserve.core.assets import default_model_path
+
+        self.config = config
+        model = config.model or str(default_model_path())
+        path, fmt = resolve_model(model, config.load_format)
+        if fmt == "gguf":
+            from vserve.core.gguf_file import gguf_config
+
+            self.model_config = ModelConfig.from_dict(gguf_config(path))
+        else:
+            self.model_config = ModelConfig.from_pretrained(path)
+        mc = self.model_config
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, mc, self.device)
+        self.max_model_len = self._max_model_len(config, mc)
+        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path,
+                                        "hf" if config.tokenizer else fmt, config.trust_remote_code)
+        self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
+        self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed)
+
+        bs = config.block_size
+        per_block = kv_bytes_per_block(mc, bs, self.dtype.itemsize)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = (config.kv_cache_memory_gib * GiB if config.kv_cache_memory_gib
+                      else default_cpu_kv_budget())
+            num_blocks = int(budget // per_block)
+        check_fits_one_sequence(num_blocks, bs, self.max_model_len, per_block)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.parents: dict[str, list[Request]] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            limit = min(limit, mc.sliding_window)  # no sliding-window attention yet: stay inside the window
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {limit}")
+        return config.max_model_len
+
+    def _stop_token_ids(self, folder: Path | None) -> set[int]:
+        ids = set(self.model_config.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = folder / "generation_config.json" if folder is not None else None
+        if gen is not None and gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate, then enqueue params.n child requests; nothing is enqueued if anything is invalid."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        params.validate_for_vocab(self.model_config.vocab_size)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                             f"--max-model-len {self.max_model_len}")
+        max_tokens = min(params.max_tokens or room, room)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.stop_token_ids
+        children = []
+        for i in range(params.n):
+            sp = replace(params, seed=None if params.seed is None else params.seed + i, n=1,
+                         all_stop_token_ids=stops)
+            req = Request(request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
+                          prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
+                          prompt=prompt if isinstance(prompt, str) else None, parent_id=request_id, index=i,
+                          eos_token_id=None if params.ignore_eos else self.eos_token_id)
+            if sp.seed is not None:
+                req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+            children.append(req)
+        self.parents[request_id] = children
+        for req in children:
+            self.requests[req.request_id] = req
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params)
+            self.scheduler.add_request(req)
+        self.num_prompt_tokens += len(ids) * params.n
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.parents.pop(request_id, []):
+            if not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self.requests.pop(req.request_id, None)
+            self.detokenizers.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> sample -> append and check stops -> outputs of requests that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty():
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
+            return []
+        block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
+        reqs, sampled = self.runner.execute(sched, block_ids)
+        self.scheduler.update_after_step(sched)
+        now = time.monotonic()
+        changed: dict[str, None] = {}
+        for req, token, lp in zip(reqs, sampled.token_ids, sampled.logprobs):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(token)
+            self.num_generated_tokens += 1
+            if lp is not None:
+                req.logprobs.append(lp)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            changed[req.parent_id] = None
+        return [self._make_output(pid) for pid in changed]
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        detok = self.detokenizers[req.request_id]
+        can_stop = req.num_output_tokens >= sp.min_tokens
+        if can_stop and token in sp.all_stop_token_ids:
+            req.stop_reason = None if token == req.eos_token_id else token
+            return RequestStatus.FINISHED_STOPPED
+        stop_str = detok.update(token, check_stop=can_stop)
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        children = self.parents[parent_id]
+        outs = []
+        for req in children:
+            finished = req.status.finished
+            lps = req.logprobs
+            outs.append(CompletionOutput(
+                index=req.index,
+                text=self.detokenizers[req.request_id].text(finished),
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids))
+                if lps is not None else None,
+                logprobs=lps,
+                finish_reason=req.status.value if finished else None,
+                stop_reason=req.stop_reason,
+            ))
+        first = children[0]
+        done = all(r.status.finished for r in children)
+        out = RequestOutput(parent_id, first.prompt, first.prompt_token_ids, outs, done,
+                            num_cached_tokens=max(first.num_cached_tokens, 0))
+        if done:
+            self.parents.pop(parent_id)
+            for req in children:
+                self.requests.pop(req.request_id, None)
+                self.detokenizers.pop(req.request_id, None)
+        return out
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.kv.num_free_blocks(),
+            num_blocks=self.kv.pool.num_blocks,
+        )

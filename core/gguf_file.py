@@ -1,0 +1,124 @@
+"""GGUF checkpoints through the `gguf` package: HF config from metadata, dequantized tensors under HF names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _reader(path: str | Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(path: str | Path, reader=None) -> dict:
+    """An HF-style config.json dict built from the GGUF metadata."""
+    r = reader or _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    names = {t.name for t in r.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with rope_freqs (llama3 rope scaling) are not supported yet")
+
+    def a(key, default=None):
+        return _field(r, f"{arch}.{key}", default)
+
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    vocab = a("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": a("feed_forward_length"),
+        "num_hidden_layers": a("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": a("attention.head_count_kv", heads),
+        "head_dim": a("attention.key_length", hidden // heads),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "max_position_embeddings": a("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _hf_name(name: str) -> str | None:
+    base, _, suffix = name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores llama q/k rows interleaved for its RoPE; undo that to HF's rotate-half order."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def gguf_tensor_count(path: str | Path) -> int:
+    return len(_reader(path).tensors)
+
+
+def iter_gguf_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dequantized tensor) for every tensor in the file."""
+    from gguf.quants import dequantize
+
+    r = _reader(path)
+    cfg = gguf_config(path, r)
+    llama = cfg["model_type"] == "llama"
+    for t in r.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            raise ValueError(f"GGUF tensor {t.name!r} has no place in {cfg['architectures'][0]}")
+        w = dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        if llama and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            w = _unpermute(w, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+
+
+def gguf_tokenizer(path: str | Path):
+    """The HF fast tokenizer (with chat template) transformers builds from the GGUF metadata."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)

@@ -1,0 +1,216 @@
+"""Paged KV cache bookkeeping: a block pool with ref counts, an O(1) free queue, prefix caching by hash chain."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vserve.core.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+
+class FreeBlockQueue:
+    """Intrusive doubly-linked list of free blocks: pop from the head (LRU), append at the tail,
+    remove from the middle in O(1) when a cached block is revived by a prefix hit."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-1)
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
+        self.num_free_blocks = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"block {block.block_id} already free"
+        last = self.tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self.tail.prev_free = self.tail, block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"block {block.block_id} not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self.head.next_free
+        if block is self.tail:
+            raise RuntimeError("no free KV cache blocks")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        b = self.head.next_free
+        while b is not self.tail:
+            yield b
+            b = b.next_free
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int], extra_keys: tuple = ()) -> int:
+    """Chained block hash: equal hashes mean equal token prefixes (up to a 64-bit collision)."""
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+class BlockPool:
+    """All KV blocks, their ref counts, the free queue and the hash -> cached block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks():
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict the LRU cached block
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving those sitting in the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; blocks reaching zero join the queue tail in the order given."""
+        for block in ordered_blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed with ref_cnt {block.ref_cnt}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # Keep an existing mapping: an identical block computed twice stays uncached the second time.
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks() != self.num_blocks:
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.block_hash = None
+        return True
+
+
+class KVCacheManager:
+    """Per-request block tables on top of the pool; the scheduler's only view of the KV cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    def _update_block_hashes(self, req: Request) -> None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        while (len(hashes) + 1) * bs <= req.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Reserve blocks for `num_new_tokens` more tokens; None (and nothing changed) if they don't fit."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_required = -(-total_tokens // self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Hit blocks with ref_cnt 0 sit in the free queue: taking them shrinks what is free.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks() - num_revived:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(req, blocks, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # Only tokens whose ids are known can be hashed; a decode step's new slot is filled next step.
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(req)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        # Reverse order: a sequence's tail blocks are evicted before its (more shareable) head blocks.
+        blocks = self.req_to_blocks.pop(req.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(req.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks()
+
+    def usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,1 @@
+"""Model building blocks: linear layers with weight loaders, norms, rotary embedding, paged attention."""

@@ -1,0 +1,48 @@
+"""Attention over the paged KV cache: store this step's k/v, then decode rows batched, prefill rows varlen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vserve.kernels.paged_attention import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kvcache_ref,
+)
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flattened batch. Rows [0, num_decode_tokens) are decodes (one query each), the rest
+    are prefill chunks described by cu_seqlens_q; block_tables/context_lens cover decodes then prefills."""
+
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    context_lens: torch.Tensor  # [num_seqs]
+    num_decodes: int
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1], offsets into the prefill rows
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, d], k/v [T, kvh, d] -> [T, H, d]."""
+        store_kvcache_ref(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        nd = md.num_decodes
+        if nd == q.shape[0]:
+            return paged_decode_attention_ref(q, self.k_cache, self.v_cache, md.block_tables,
+                                              md.context_lens, self.scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = paged_decode_attention_ref(q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd],
+                                                  md.context_lens[:nd], self.scale)
+        out[nd:] = paged_prefill_attention_ref(q[nd:], self.k_cache, self.v_cache, md.cu_seqlens_q,
+                                               md.context_lens[nd:], md.block_tables[nd:], self.scale)
+        return out

@@ -1,0 +1,96 @@
+"""`LLM`: the offline API (vLLM's shape) over one LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from rich.progress import TextColumn
+
+from vserve.core.config import EngineConfig
+from vserve.core.engine import LLMEngine
+from vserve.core.progress import make_progress
+from vserve.core.request import RequestOutput
+from vserve.core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`; model None serves the embedded default (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.resolve({"model": model, **engine_args}))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a str, a list of str, a list of token ids, or a list of token-id lists."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate every prompt before enqueueing any, so a bad one leaves nothing half-done.
+        ids = [engine.tokenize(p) for p in prompts]
+        for p in ids:
+            if len(p) >= engine.max_model_len:
+                raise ValueError(f"prompt has {len(p)} tokens, which leaves no room to generate within "
+                                 f"--max-model-len {engine.max_model_len}")
+        order = []
+        try:
+            for prompt, sp in zip(prompts, sampling_params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, sp)
+                order.append(rid)
+            return self._run(order, use_tqdm)
+        except BaseException:
+            for rid in order:
+                engine.abort_request(rid)
+            raise
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, through the model's chat template (or `chat_template`)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        return tok(text, add_special_tokens=False).input_ids
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        n0 = engine.num_generated_tokens
+        show = use_tqdm and len(order) > 1
+        with make_progress(TextColumn("{task.fields[tps]} tok/s")) as progress:
+            task = progress.add_task("Generating", total=len(order), tps="0", visible=show)
+            while len(done) < len(order):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        progress.advance(task)
+                tps = (engine.num_generated_tokens - n0) / max(time.perf_counter() - start, 1e-9)
+                progress.update(task, tps=f"{tps:,.0f}")
+        return [done[rid] for rid in order]

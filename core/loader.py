@@ -1,0 +1,143 @@
+"""Find a model's files, build the model and load its weights (safetensors, GGUF or dummy)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vserve.core.model_config import ModelConfig
+from vserve.core.models import get_model_class
+from vserve.core.progress import progress_bar
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model(model: str, load_format: str) -> tuple[Path, str]:
+    """(path, format) for a model argument: an HF folder, a .gguf file, or a folder holding one."""
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ValueError(f"model path {model!r} does not exist (vserve loads local folders and files only)")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"{model!r} is a file but not a .gguf; pass an HF model folder or a GGUF file")
+        return p, "gguf" if load_format == "auto" else load_format
+    if load_format in ("auto", "gguf") and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], "gguf"
+    if load_format == "gguf":
+        raise ValueError(f"--load-format gguf needs a .gguf file or a folder with exactly one, got {model!r}")
+    if not (p / "config.json").exists():
+        raise ValueError(f"no config.json in model folder {model!r}")
+    if load_format == "auto":
+        if not list(p.glob("*.safetensors")):
+            raise ValueError(f"no .safetensors weights in {model!r} (pickled .bin weights are refused)")
+        return p, "safetensors"
+    return p, load_format
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def count_safetensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            n += len(list(st.keys()))
+    return n
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        pname, shard = name, None
+        for frag, (packed, shard_id) in mapping.items():
+            if f".{frag}." in name:
+                pname, shard = name.replace(f".{frag}.", f".{packed}."), shard_id
+                break
+        if pname not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        param = params[pname]
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            default_weight_loader(param, tensor)
+        loaded.add(f"{pname}:{shard}")
+    missing = []
+    for pname, param in params.items():
+        layer = getattr(getattr(param, "weight_loader", None), "__self__", None)
+        shards = list(layer.shard_sizes) if layer is not None else [None]
+        if not all(f"{pname}:{s}" in loaded for s in shards):
+            missing.append(pname)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, device: torch.device,
+                seed: int = 0) -> nn.Module:
+    with _default_dtype(dtype):
+        model = get_model_class(cfg)(cfg)
+    if fmt == "dummy":
+        init_dummy_weights(model, seed)
+    elif fmt == "gguf":
+        from vserve.core.gguf_file import gguf_tensor_count, iter_gguf_tensors
+
+        total = gguf_tensor_count(path)
+        load_weights(model, progress_bar(iter_gguf_tensors(path), total, "Loading GGUF weights"))
+    else:
+        files = safetensors_files(path)
+        total = count_safetensors(files)
+        load_weights(model, progress_bar(iter_safetensors(files), total, "Loading weights"))
+    return model.to(device).eval()

@@ -1,0 +1,99 @@
+"""A request's plain state as the scheduler and engine see it, and the outputs handed back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated. n > 1 becomes n Requests sharing the prompt (and its cached blocks)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    prompt: str | None = None
+    parent_id: str | None = None
+    index: int = 0  # which of the parent's n outputs this is
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache, set at first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: None = None

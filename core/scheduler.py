@@ -1,0 +1,121 @@
+"""One-budget scheduler: running requests first, then waiting ones; chunked prefill; preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vserve.core.kv_cache import KVCacheManager
+from vserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's plan: which requests run and how many of their tokens, decodes first."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+
+        # 1. Running requests, oldest first; the newest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                break
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in arrival order, while nothing was preempted this step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hits, num_hit_tokens = ([], 0)
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens += num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        # Decodes first, then prefills: the attention backend batches the single-token rows together.
+        reqs = [r for r in self.running if r.request_id in scheduled]
+        reqs.sort(key=lambda r: scheduled[r.request_id] != 1)
+        out.requests = reqs
+        out.num_scheduled_tokens = [scheduled[r.request_id] for r in reqs]
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Free the victim's blocks and queue it first; it recomputes prompt + output so far later."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            req.num_computed_tokens += n
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.finished
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)

@@ -1,0 +1,1 @@
+"""Attention and other kernels; each Triton kernel sits beside the pure-torch reference it must match."""

@@ -1,0 +1,71 @@
+"""Paged attention: pure-torch references (the CPU path and the oracle for the Triton kernels).
+
+Layouts: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+block_id * block_size + offset; block_tables [batch, max_blocks] (padding entries are ignored);
+context_lens [batch] counts every token a sequence attends to (cached prefix + this step's tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, kvh, d] into their slots; slot -1 (padding) is skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n cached tokens of one sequence: [n, kvh, d]."""
+    bs = cache.shape[1]
+    nb = -(-n // bs)
+    return cache[block_table[:nb]].flatten(0, 1)[:n]
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens."""
+    B, H, d = q.shape
+    max_len = int(context_lens.max())
+    bs = k_cache.shape[1]
+    nb = -(-max_len // bs)
+    bt = block_tables[:, :nb]
+    k = k_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
+    v = v_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=k.shape[1] != H)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal attention: sequence b's queries q[cu[b]:cu[b+1]] are its last tokens and attend to
+    every cached token up to their own position (cached prefix + this chunk)."""
+    out = torch.empty_like(q)
+    H = q.shape[1]
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    for b in range(len(ctx)):
+        s, e, n = cu[b], cu[b + 1], ctx[b]
+        qlen = e - s
+        k = _gather(k_cache, block_tables[b], n).transpose(0, 1)  # [kvh, n, d]
+        v = _gather(v_cache, block_tables[b], n).transpose(0, 1)
+        qb = q[s:e].transpose(0, 1)  # [H, qlen, d]
+        gqa = k.shape[0] != H
+        if qlen == n:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # queries sit at positions n - qlen .. n - 1
+            pos_q = torch.arange(n - qlen, n, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s:e] = o.transpose(0, 1)
+    return out
