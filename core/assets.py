@@ -58,7 +58,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     """Write config.json, model.safetensors (float32, dequantized) and tokenizer files; atomic rename."""
     from safetensors.torch import save_file
 
-    from vserve.core.gguf_file import gguf_config, gguf_tensor_count, iter_gguf_tensors, gguf_tokenizer
+    from vserve.core.gguf_file import gguf_config, gguf_tensor_count, gguf_tokenizer, iter_gguf_tensors
     from vserve.core.progress import progress_bar
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")

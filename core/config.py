@@ -30,7 +30,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
-    kv_cache_memory_gib: float | None = None  # CPU KV cache size; None: 4 GiB or a quarter of free RAM
+    kv_cache_memory_gib: float | None = None  # CPU KV cache size; None: 1 GiB or a quarter of free RAM
     num_kv_blocks: int | None = None  # force the number of KV blocks (tests, experiments)
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 

@@ -92,7 +92,9 @@ class LLMEngine:
         else:
             budget = (config.kv_cache_memory_gib * GiB if config.kv_cache_memory_gib
                       else default_cpu_kv_budget())
-            num_blocks = int(budget // per_block)
+            # no more blocks than max_num_seqs full-length sequences can use
+            most = config.max_num_seqs * -(-self.max_model_len // bs)
+            num_blocks = min(int(budget // per_block), most)
         check_fits_one_sequence(num_blocks, bs, self.max_model_len, per_block)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -103,6 +105,9 @@ class LLMEngine:
         self.parents: dict[str, list[Request]] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (cache hits excluded)
+        self.last_step_tokens = 0  # tokens computed by the last step
+        self.last_finished: dict[str, list[Request]] = {}  # parents finished in the last step -> children
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -143,8 +148,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validate, then enqueue params.n child requests; nothing is enqueued if anything is invalid."""
-        if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self.submit(self.make_requests(request_id, prompt, params))
+
+    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """Tokenize and validate (ValueError for bad input) without touching engine state."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -153,6 +160,10 @@ class LLMEngine:
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                              f"--max-model-len {self.max_model_len}")
+        if params.max_tokens is not None and params.max_tokens > room:
+            if not params.truncate_max_tokens:
+                raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                                 f"--max-model-len {self.max_model_len}")
         max_tokens = min(params.max_tokens or room, room)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -168,12 +179,20 @@ class LLMEngine:
             if sp.seed is not None:
                 req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
             children.append(req)
+        return children
+
+    def submit(self, children: list[Request]) -> None:
+        """Enqueue the children of one request (made by make_requests)."""
+        request_id = children[0].parent_id
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.parents[request_id] = children
         for req in children:
             self.requests[req.request_id] = req
-            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params)
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                       req.sampling_params)
             self.scheduler.add_request(req)
-        self.num_prompt_tokens += len(ids) * params.n
+        self.num_prompt_tokens += children[0].num_prompt_tokens * len(children)
 
     def abort_request(self, request_id: str) -> None:
         for req in self.parents.pop(request_id, []):
@@ -188,12 +207,16 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> sample -> append and check stops -> outputs of requests that changed."""
+        self.last_finished = {}
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.total_tokens
         if sched.is_empty():
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
             return []
         block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
+        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
+            self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
         reqs, sampled = self.runner.execute(sched, block_ids)
         self.scheduler.update_after_step(sched)
         now = time.monotonic()
@@ -247,6 +270,7 @@ class LLMEngine:
         out = RequestOutput(parent_id, first.prompt, first.prompt_token_ids, outs, done,
                             num_cached_tokens=max(first.num_cached_tokens, 0))
         if done:
+            self.last_finished[parent_id] = children
             self.parents.pop(parent_id)
             for req in children:
                 self.requests.pop(req.request_id, None)

@@ -14,12 +14,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> i
 
 
 def default_cpu_kv_budget() -> int:
-    """4 GiB, or a quarter of the memory available now if that is less."""
+    """1 GiB (tens of thousands of tokens for small models), or a quarter of the free memory if less."""
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         avail = 16 * GiB
-    return min(4 * GiB, avail // 4)
+    return min(GiB, avail // 4)
 
 
 def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype_bytes: int, budget_bytes: int,
@@ -31,11 +31,15 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype_bytes: int, budget_
     return num_blocks
 
 
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
 def check_fits_one_sequence(num_blocks: int, block_size: int, max_model_len: int, per_block: int) -> None:
     need = -(-max_model_len // block_size)
     if num_blocks < need:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens, "
-            f"{num_blocks * per_block / GiB:.2f} GiB) but one --max-model-len {max_model_len} sequence needs "
-            f"{need} blocks ({need * per_block / GiB:.2f} GiB); lower --max-model-len or give the cache more memory"
+            f"{fmt_bytes(num_blocks * per_block)}) but one --max-model-len {max_model_len} sequence needs "
+            f"{need} blocks ({fmt_bytes(need * per_block)}); lower --max-model-len or give the cache more memory"
         )

@@ -48,6 +48,7 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted by the scheduler
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Offline use clips max_tokens to what fits in --max-model-len; the server refuses instead (400).
+    truncate_max_tokens: bool = True
     # Set by the engine from the tokenizer: eos and generation-config stop ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -1,0 +1,59 @@
+"""Shared fixtures: the embedded default model folder and tiny random HF models built with transformers."""
+
+import os
+
+# Triton kernels run under the interpreter on CPU; this must be set before any @triton.jit runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("VSERVE_NO_PROGRESS", "1")
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from vserve.core.assets import default_model_path
+
+    return default_model_path()
+
+
+def _config(arch: str, **overrides):
+    import transformers
+
+    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    return cls(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, default_model_dir):
+    """build(arch, **config overrides) -> folder with a random HF model (float32) and SmolLM2's tokenizer."""
+    import torch
+    import transformers
+
+    cache: dict = {}
+
+    def build(arch: str = "llama", **overrides) -> Path:
+        key = (arch, repr(sorted(overrides.items())))
+        if key in cache:
+            return cache[key]
+        cfg = _config(arch, **overrides)
+        torch.manual_seed(len(cache) + 1)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(folder, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (default_model_dir / name).exists():
+                shutil.copy(default_model_dir / name, folder / name)
+        cache[key] = folder
+        return folder
+
+    return build

@@ -1,0 +1,359 @@
+"""Block pool and KV cache manager: ref counts, the free queue and prefix caching, as specified behaviour."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vserve.core.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager, hash_block_tokens
+from vserve.core.request import Request
+from vserve.core.sampling_params import SamplingParams
+
+BS = 4  # block size of every test here: small, so a few tokens cross block boundaries
+
+
+def make_request(request_id: str, prompt: list[int]) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(),
+                   max_tokens=64)
+
+
+def prefill(kv: KVCacheManager, req: Request) -> list[KVCacheBlock]:
+    """What the scheduler does for a waiting request: prefix hits, slots for the rest, computed tokens."""
+    hits, num_hit_tokens = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits) is not None
+    req.num_computed_tokens = req.num_tokens
+    return hits
+
+
+def chain_hashes(token_ids: list[int]) -> list[int]:
+    """Reference hash chain of the full blocks of token_ids."""
+    out: list[int] = []
+    for i in range(len(token_ids) // BS):
+        out.append(hash_block_tokens(out[-1] if out else None, token_ids[i * BS:(i + 1) * BS]))
+    return out
+
+
+# ---- free queue ------------------------------------------------------------------------------------------
+
+
+def test_free_queue_removes_a_middle_block_by_relinking_its_neighbours():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+
+    q.remove(blocks[2])
+
+    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    assert q.num_free_blocks == 4
+    assert blocks[2].prev_free is None and blocks[2].next_free is None
+    assert blocks[1].next_free is blocks[3] and blocks[3].prev_free is blocks[1]
+
+
+def test_free_queue_pops_from_the_head_and_appends_at_the_tail():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    q = FreeBlockQueue(blocks)
+
+    first = q.popleft()
+    q.append(first)
+
+    assert first.block_id == 0
+    assert [b.block_id for b in q] == [1, 2, 0]
+    assert q.num_free_blocks == 3
+
+
+# ---- free order and eviction -----------------------------------------------------------------------------
+
+
+def test_freed_request_blocks_join_the_free_queue_tail_in_reverse_order():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    req = make_request("a", list(range(10)))  # 3 blocks: 0, 1, 2
+    prefill(kv, req)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+
+    kv.free(req)
+
+    assert [b.block_id for b in kv.pool.free_queue] == [3, 4, 5, 2, 1, 0]
+
+
+def test_a_freed_request_has_its_tail_block_evicted_before_its_head_block():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    req = make_request("a", list(range(12)))  # 3 full blocks, all cached
+    prefill(kv, req)
+    kv.free(req)
+
+    evicted = kv.pool.get_new_blocks(1)
+
+    assert [b.block_id for b in evicted] == [2]
+    again = make_request("b", list(range(12)))
+    assert [b.block_id for b in kv.get_computed_blocks(again)[0]] == [0, 1]
+
+
+def test_evicting_the_lru_cached_block_removes_its_hash_from_the_cache():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    a = make_request("a", [1, 2, 3, 4, 5])  # blocks 0 (full, cached as hash_a) and 1
+    prefill(kv, a)
+    hash_a = a.block_hashes[0]
+    kv.free(a)  # free queue: 2, 1, 0
+    b = make_request("b", [6, 7, 8, 9, 10])  # takes blocks 2 (cached as hash_b) and 1
+    prefill(kv, b)
+    hash_b = b.block_hashes[0]
+    kv.free(b)  # free queue: 0, 1, 2 -- block 0 is now the least recently used
+    assert kv.get_block_ids("b") == []
+
+    c = make_request("c", [11, 12])
+    prefill(kv, c)
+
+    assert kv.get_block_ids("c") == [0]
+    assert kv.pool.blocks[0].block_hash is None
+    assert hash_a not in kv.pool.cached
+    assert kv.pool.cached[hash_b] is kv.pool.blocks[2]
+    assert kv.get_computed_blocks(make_request("a2", [1, 2, 3, 4, 5])) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b2", [6, 7, 8, 9, 10])) == ([kv.pool.blocks[2]], BS)
+
+
+def test_reviving_a_cached_free_block_takes_it_out_of_the_free_queue():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = make_request("a", list(range(9)))  # blocks 0, 1 full and cached, block 2 partial
+    prefill(kv, a)
+    kv.free(a)
+
+    b = make_request("b", list(range(9)))
+    hits = prefill(kv, b)
+
+    assert [blk.block_id for blk in hits] == [0, 1]
+    assert [blk.ref_cnt for blk in hits] == [1, 1]
+    assert kv.get_block_ids("b") == [0, 1, 3]  # free queue was 3, 2, 1, 0; the hits left it, 3 was popped
+    assert [blk.block_id for blk in kv.pool.free_queue] == [2]
+
+
+# ---- prefix caching --------------------------------------------------------------------------------------
+
+
+def test_the_last_prompt_token_is_never_served_from_the_cache():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    prompt = list(range(100, 100 + 3 * BS))  # exactly 3 full blocks
+    prefill(kv, make_request("a", prompt))
+    assert len(kv.pool.cached) == 3
+
+    hits, num_hit_tokens = kv.get_computed_blocks(make_request("b", prompt))
+
+    assert (len(hits), num_hit_tokens) == (2, 2 * BS)
+
+
+def test_a_prompt_one_token_past_three_full_blocks_hits_all_three():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    prompt = list(range(100, 100 + 3 * BS))
+    prefill(kv, make_request("a", prompt))
+
+    hits, num_hit_tokens = kv.get_computed_blocks(make_request("b", prompt + [7]))
+
+    assert (len(hits), num_hit_tokens) == (3, 3 * BS)
+
+
+def test_a_prefix_hit_stops_at_the_first_differing_block():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    prefill(kv, make_request("a", list(range(3 * BS + 1))))
+    other = list(range(3 * BS + 1))
+    other[BS + 1] = 999  # second block differs, so the third's chained hash differs too
+
+    hits, num_hit_tokens = kv.get_computed_blocks(make_request("b", other))
+
+    assert ([b.block_id for b in hits], num_hit_tokens) == ([0], BS)
+
+
+def test_without_prefix_caching_nothing_is_hashed_or_hit():
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=False)
+    prefill(kv, make_request("a", list(range(9))))
+
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert kv.pool.cached == {}
+    assert all(b.block_hash is None for b in kv.pool.blocks)
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    prefill(kv, make_request("a", list(range(5))))  # 2 blocks
+    before = [(b.ref_cnt, b.block_hash) for b in kv.pool.blocks]
+
+    big = make_request("big", list(range(50, 50 + 2 * BS)))
+    assert kv.allocate_slots(big, big.num_tokens) is None
+
+    assert [(b.ref_cnt, b.block_hash) for b in kv.pool.blocks] == before
+    assert kv.num_free_blocks() == 1
+    assert "big" not in kv.req_to_blocks
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_in_use_and_clears_when_idle():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = make_request("a", list(range(9)))
+    prefill(kv, a)
+
+    assert kv.pool.reset_prefix_cache() is False
+    kv.free(a)
+    assert kv.pool.reset_prefix_cache() is True
+    assert kv.pool.cached == {}
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+
+
+# ---- property test ---------------------------------------------------------------------------------------
+
+# Prompts are drawn as a prefix of one of a few base sequences plus a random tail, so prefix hits are common.
+_BASES = [[(7 * b + 3 * i) % 23 for i in range(4 * BS)] for b in range(3)]
+_token = st.integers(min_value=0, max_value=22)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Random admissions, prefill chunks, decodes, frees and preemptions against one small pool."""
+
+    NUM_BLOCKS = 12
+    ENABLE_CACHING = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, self.ENABLE_CACHING)
+        self.running: dict[str, Request] = {}  # holds blocks
+        self.preempted: dict[str, Request] = {}  # holds none; resumes through the prefix cache
+        self.ids = itertools.count()
+
+    # -- helpers --
+    def _snapshot(self):
+        pool = self.kv.pool
+        return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], [b.block_id for b in pool.free_queue],
+                dict(pool.cached), {k: list(v) for k, v in self.kv.req_to_blocks.items()})
+
+    def _admit(self, req: Request, chunk: int) -> bool:
+        """Schedule a request that holds no blocks: prefix hits, then up to `chunk` new tokens."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        assert num_hit_tokens == len(hits) * BS and num_hit_tokens < req.num_tokens
+        num_new = min(chunk, req.num_tokens - num_hit_tokens)
+        before = self._snapshot()
+        if self.kv.allocate_slots(req, num_new, hits) is None:
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            return False
+        req.num_computed_tokens = num_hit_tokens + num_new
+        self._sample_if_prefilled(req)
+        return True
+
+    @staticmethod
+    def _sample_if_prefilled(req: Request) -> None:
+        # A step that reaches the last known token samples one more, as the engine does.
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token((req.num_tokens * 5) % 23)
+
+    # -- rules --
+    @rule(base=st.integers(0, len(_BASES) - 1), prefix_len=st.integers(0, 4 * BS),
+          tail=st.lists(_token, max_size=2 * BS), chunk=st.integers(1, 6 * BS))
+    def add_request(self, base, prefix_len, tail, chunk):
+        prompt = _BASES[base][:prefix_len] + tail
+        if not prompt:
+            prompt = [0]
+        req = make_request(f"r{next(self.ids)}", prompt)
+        if self._admit(req, chunk):
+            self.running[req.request_id] = req
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, 6 * BS))
+    def step(self, data, chunk):
+        """A prefill chunk or, once the prompt is computed, a decode of the token sampled last step."""
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert num_new >= 1
+        before = self._snapshot()
+        if self.kv.allocate_slots(req, num_new) is None:
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            return
+        req.num_computed_tokens += num_new
+        self._sample_if_prefilled(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data):
+        req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        self.kv.free(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.preempted[req.request_id] = req
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data(), chunk=st.integers(1, 6 * BS))
+    def resume(self, data, chunk):
+        rid = data.draw(st.sampled_from(sorted(self.preempted)))
+        if self._admit(self.preempted[rid], chunk):
+            self.running[rid] = self.preempted.pop(rid)
+
+    # -- invariants --
+    @invariant()
+    def ref_counts_equal_table_membership(self):
+        tables = self.kv.req_to_blocks
+        assert set(tables) == set(self.running), "only running requests hold block tables"
+        owners = Counter(b.block_id for table in tables.values() for b in table)
+        for table in tables.values():
+            assert len({b.block_id for b in table}) == len(table), "a block appears twice in one table"
+        for b in self.kv.pool.blocks:
+            assert b.ref_cnt >= 0
+            assert b.ref_cnt == owners[b.block_id], f"block {b.block_id}"
+
+    @invariant()
+    def free_queue_holds_exactly_the_unreferenced_blocks(self):
+        pool = self.kv.pool
+        queued = [b.block_id for b in pool.free_queue]
+        assert len(queued) == len(set(queued)) == pool.num_free_blocks() == self.kv.num_free_blocks()
+        assert set(queued) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+
+    @invariant()
+    def hash_map_points_only_at_blocks_with_that_hash(self):
+        for h, block in self.kv.pool.cached.items():
+            assert block.block_hash == h
+        if not self.ENABLE_CACHING:
+            assert self.kv.pool.cached == {}
+
+    @invariant()
+    def tables_cover_exactly_the_computed_tokens(self):
+        for rid, req in self.running.items():
+            assert len(self.kv.req_to_blocks[rid]) == -(-req.num_computed_tokens // BS)
+
+    @invariant()
+    def hashed_blocks_hold_their_requests_tokens(self):
+        # A block a request reads through the cache must carry the chained hash of that request's tokens.
+        for rid, req in self.running.items():
+            expected = chain_hashes(req.all_token_ids)
+            for i, block in enumerate(self.kv.req_to_blocks[rid]):
+                if block.block_hash is not None:
+                    assert (i + 1) * BS <= req.num_computed_tokens, "a not-yet-computed block is cached"
+                    assert block.block_hash == expected[i]
+
+    def teardown(self):
+        for req in self.running.values():
+            self.kv.free(req)
+        self.running.clear()
+        self.ref_counts_equal_table_membership()
+        self.free_queue_holds_exactly_the_unreferenced_blocks()
+        assert self.kv.num_free_blocks() == self.NUM_BLOCKS
+        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
+
+
+class KVCacheMachineNoCaching(KVCacheMachine):
+    ENABLE_CACHING = False
+
+
+_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheManagerInvariants = KVCacheMachine.TestCase
+TestKVCacheManagerInvariants.settings = _SETTINGS
+TestKVCacheManagerInvariantsWithoutCaching = KVCacheMachineNoCaching.TestCase
+TestKVCacheManagerInvariantsWithoutCaching.settings = _SETTINGS
+
+
+def test_block_pool_counts_usage_from_free_blocks():
+    pool = BlockPool(num_blocks=4, enable_caching=True)
+    pool.get_new_blocks(3)
+
+    assert pool.num_free_blocks() == 1
+    assert pool.usage() == 0.75
