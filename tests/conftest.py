@@ -7,6 +7,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VSERVE_NO_PROGRESS", "1")
 
 import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -57,3 +62,74 @@ def tiny_model(tmp_path_factory, default_model_dir):
         return folder
 
     return build
+
+
+# ---- a real `vserve serve` process on loopback ----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _start_server(args: list[str], log: Path, timeout: float = 120, env: dict | None = None) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vserve.cli.main", "serve", *args, "--port", str(port)]
+    fh = log.open("w")
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VSERVE_NO_PROGRESS": "1", **(env or {})})
+    server = ServerProcess(proc, port, log)
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.output()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not come up in {timeout} s:\n{server.output()}")
+
+
+@pytest.fixture(scope="module")
+def server_factory():
+    """start(args, log_path) -> a running ServerProcess; every server started is stopped at module end."""
+    started = []
+
+    def start(args, log, **kw):
+        s = _start_server(args, log, **kw)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()

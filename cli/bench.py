@@ -1,0 +1,244 @@
+"""`vserve bench throughput`: offline throughput on random-token prompts, optionally against HF transformers."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vserve import SamplingParams
+from vserve.cli.engine_args import build_llm, engine_command
+from vserve.core.progress import make_progress  # rich only, no torch
+
+app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+console = Console(highlight=False)
+BACKENDS = ("vserve", "hf")
+
+
+@dataclass
+class Workload:
+    """The same requests for every backend: prompt token ids and each request's output length."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclass
+class Result:
+    backend: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        e = max(self.elapsed_s, 1e-9)
+        return {**asdict(self), "requests_per_s": self.num_requests / e,
+                "output_tokens_per_s": self.output_tokens / e,
+                "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / e}
+
+
+def parse_len(flag: str, value: str) -> tuple[int, int]:
+    """'A' or 'A:B' -> (A, B) with 1 <= A <= B."""
+    try:
+        lo, _, hi = value.partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        a = b = 0
+    if not 1 <= a <= b:
+        raise ValueError(f"{flag} must be N or A:B with 1 <= A <= B, got {value!r}")
+    return a, b
+
+
+def random_workload(seed: int, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab_size: int, special_ids: set[int]) -> Workload:
+    """Uniform lengths in [A, B]; token ids uniform over the vocabulary minus special tokens."""
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in special_ids]
+    prompts = [rng.choices(allowed, k=rng.randint(*input_len)) for _ in range(num_prompts)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
+
+
+def run_vserve(llm, w: Workload) -> Result:
+    # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length.
+    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=o) for o in w.output_lens]
+    # Warm-up; 8 tokens are less than the smallest block, so the prefix cache keeps nothing the run reuses.
+    llm.generate([w.prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    return Result("vserve", len(outs), sum(map(len, w.prompts)),
+                  sum(len(c.token_ids) for o in outs for c in o.outputs), elapsed)
+
+
+def hf_model_folder(engine_args: dict[str, Any]) -> tuple[Path, str]:
+    """The HF folder vserve loaded (the default model's converted folder when --model is not given)."""
+    from vserve.core.assets import default_model_path
+    from vserve.core.loader import resolve_model
+
+    path, fmt = resolve_model(engine_args["model"] or str(default_model_path()),
+                              engine_args["load_format"] or "auto")
+    if fmt == "gguf":
+        raise ValueError(f"--backend hf needs an HF model folder (config.json + safetensors), got GGUF {path}")
+    return path, fmt
+
+
+def load_hf(folder: Path, fmt: str, dtype, device, trust_remote_code: bool):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI shows its own (rich) progress
+    if fmt == "dummy":  # random weights, like vserve's --load-format dummy
+        cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+def run_hf_generate(model, w: Workload, pad_id: int) -> Result:
+    """Static batching: every prompt in one left-padded batch, max(output_lens) new tokens for all."""
+    import torch
+    from transformers import GenerationConfig
+
+    longest, new = max(map(len, w.prompts)), max(w.output_lens)
+    ids = torch.full((len(w.prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(w.prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    # min_new_tokens == max_new_tokens: eos can never end a row early.
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:],  # warm-up
+                       generation_config=GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=pad_id))
+        _sync(model.device)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        _sync(model.device)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == longest + new, out.shape
+    return Result("hf generate", len(w.prompts), sum(map(len, w.prompts)), sum(w.output_lens), elapsed)
+
+
+def run_hf_generate_batch(model, w: Workload) -> Result:
+    """transformers' continuous batching (`generate_batch`, transformers >= 5), eos disabled (-1)."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max(w.output_lens), do_sample=False, eos_token_id=-1)
+    start = time.perf_counter()
+    outs = model.generate_batch(w.prompts, generation_config=cfg)
+    _sync(model.device)
+    elapsed = time.perf_counter() - start
+    failed = [k for k, o in outs.items() if o.error is not None]
+    if len(outs) != len(w.prompts) or failed:
+        raise RuntimeError(f"HF generate_batch returned {len(outs)} of {len(w.prompts)} requests; failed: {failed}")
+    assert all(len(o.generated_tokens) == max(w.output_lens) for o in outs.values())
+    return Result("hf generate_batch", len(outs), sum(map(len, w.prompts)), sum(w.output_lens), elapsed)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_hf(engine_args: dict[str, Any], w: Workload, dtype, device, pad_id: int) -> list[Result]:
+    folder, fmt = hf_model_folder(engine_args)
+    results = []
+    with make_progress() as progress:
+        task = progress.add_task("HF transformers: load", total=3)
+        model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
+        progress.update(task, advance=1, description="HF transformers: generate (static batch)")
+        results.append(run_hf_generate(model, w, pad_id))
+        progress.update(task, advance=1, description="HF transformers: generate_batch (continuous)")
+        results.append(run_hf_generate_batch(model, w))
+        progress.update(task, advance=1, description="HF transformers: done")
+    return results
+
+
+def render(results: list[Result], notes: list[str]) -> None:
+    """Metrics as rows, backends as columns: fits a terminal however many backends ran."""
+    table = Table(title="Offline throughput", title_justify="left")
+    table.add_column("")
+    for r in results:
+        table.add_column(r.backend, justify="right")
+    rows = [r.as_dict() for r in results]
+    for label, key, fmt in (("requests", "num_requests", "{:,}"), ("prompt tokens", "prompt_tokens", "{:,}"),
+                            ("output tokens", "output_tokens", "{:,}"), ("elapsed s", "elapsed_s", "{:.2f}"),
+                            ("requests/s", "requests_per_s", "{:.2f}"),
+                            ("output tokens/s", "output_tokens_per_s", "{:,.1f}"),
+                            ("total tokens/s", "total_tokens_per_s", "{:,.1f}")):
+        table.add_row(label, *(fmt.format(r[key]) for r in rows))
+    if len(results) > 1:
+        # Same requests and token counts in every column, so one ratio covers req/s and both tok/s rows.
+        table.add_row("vserve / this", "", *(f"{r.elapsed_s / max(results[0].elapsed_s, 1e-9):.2f}x"
+                                             for r in results[1:]), style="bold")
+    console.print(table)
+    for note in notes:
+        console.print(f"note: {note}", style="dim", markup=False)
+
+
+@app.command("throughput")
+@engine_command
+def throughput(
+    num_prompts: int = typer.Option(100, help="Number of requests."),
+    input_len: str = typer.Option("128", help="Prompt length in tokens: N, or A:B for uniform in [A, B]."),
+    output_len: str = typer.Option("128", help="Output length in tokens: N, or A:B for uniform in [A, B]."),
+    backend: str = typer.Option("vserve", help="vserve, or hf: also run HF transformers on the same requests "
+                                "(generate with static batching, and generate_batch) and print the ratios."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Offline throughput of random-token prompts with exact output lengths (eos ignored)."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    in_len, out_len = parse_len("--input-len", input_len), parse_len("--output-len", output_len)
+    seed = engine_args["seed"] or 0
+
+    llm = build_llm(engine_args)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    if in_len[1] + out_len[1] > engine.max_model_len:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} can exceed --max-model-len "
+                         f"{engine.max_model_len}")
+    vocab = min(engine.model_config.vocab_size, len(tok))
+    w = random_workload(seed, num_prompts, in_len, out_len, vocab, set(tok.all_special_ids))
+    results = [run_vserve(llm, w)]
+    notes = []
+    if backend == "hf":
+        dtype, device = engine.dtype, engine.device
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        del llm, engine  # free vserve's weights and KV cache before loading the peer
+        gc.collect()
+        results += run_hf(engine_args, w, dtype, device, pad_id)
+        notes.append(f"HF runs greedy in {str(dtype).removeprefix('torch.')} on {device}; vserve samples "
+                     "(temperature 1, top_p 1).")
+        if out_len[0] != out_len[1]:
+            notes.append(f"HF generates max(--output-len) = {out_len[1]} tokens for every request (one batch / one "
+                         "generation config); its output tokens count each request's own length, as vserve's do.")
+    report = {**results[0].as_dict(), "model": engine_args["model"], "input_len": list(in_len),
+              "output_len": list(out_len), "seed": seed}
+    if len(results) > 1:
+        report["peers"] = [r.as_dict() for r in results[1:]]
+        report["ratios"] = {r.backend: report["output_tokens_per_s"] / max(r.as_dict()["output_tokens_per_s"], 1e-9)
+                            for r in results[1:]}
+        report["notes"] = notes
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        render(results, notes)

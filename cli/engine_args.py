@@ -1,0 +1,128 @@
+"""The engine flags every engine-building command shares (vLLM's names), and the CLI's one error exit."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from vserve.core.config import BLOCK_SIZES, DTYPES, LOAD_FORMATS, EngineConfig  # plain dataclass, no torch
+
+err_console = Console(stderr=True)
+PANEL = "Engine options"
+_DEFAULTS = {f.name: f for f in fields(EngineConfig)}
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine flag: its EngineConfig field, type and help; `decls` only where typer's default is wrong."""
+
+    name: str
+    type: type
+    help: str
+    default: str | None = None  # how to describe a None default; others are read from EngineConfig
+    decls: tuple[str, ...] = ()
+
+    def help_text(self) -> str:
+        value = _DEFAULTS[self.name].default
+        if value is None:
+            return f"{self.help} (default: {self.default})" if self.default else self.help
+        return f"{self.help} (default: {({True: 'on', False: 'off'}.get(value, value))})"
+
+    def parameter(self) -> inspect.Parameter:
+        # Default None everywhere, so EngineConfig.resolve can tell "given" from "default".
+        option = typer.Option(None, *self.decls, help=self.help_text(), rich_help_panel=PANEL,
+                              show_default=False)
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                 annotation=self.type | None)
+
+
+ENGINE_FLAGS = (
+    EngineFlag("model", str, "HF model folder or .gguf file", "the embedded SmolLM2-135M-Instruct"),
+    EngineFlag("tokenizer", str, "Tokenizer folder", "the model's"),
+    EngineFlag("dtype", str, f"{' | '.join(DTYPES)}; auto keeps bf16 checkpoints bf16, else fp16 on GPU, "
+                             "fp32 on CPU"),
+    EngineFlag("max_model_len", int, "Longest sequence, prompt + output", "the model's context length"),
+    EngineFlag("block_size", int, f"Tokens per KV block: {', '.join(map(str, BLOCK_SIZES))}"),
+    EngineFlag("max_num_seqs", int, "Most sequences in one step"),
+    EngineFlag("max_num_batched_tokens", int, "Token budget of one step"),
+    EngineFlag("gpu_memory_utilization", float, "Fraction of GPU memory to use, in (0, 1]"),
+    EngineFlag("enforce_eager", bool, "Never capture CUDA graphs", decls=("--enforce-eager",)),
+    EngineFlag("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes"),
+    EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
+    EngineFlag("quantization", str, "Quantization method (none is implemented yet)"),
+    EngineFlag("load_format", str, f"{' | '.join(LOAD_FORMATS)}; dummy: random weights"),
+    EngineFlag("seed", int, "Random seed (generate also seeds each request with it)"),
+    EngineFlag("tensor_parallel_size", int, "GPUs to shard the model over"),
+    EngineFlag("trust_remote_code", bool, "Let the tokenizer run code from the model folder",
+               decls=("--trust-remote-code",)),
+    EngineFlag("device", str, "auto | cpu | cuda; auto: cuda when available"),
+    EngineFlag("kv_cache_memory_gib", float, "KV cache size in GiB", "sized by the engine from free memory"),
+    EngineFlag("num_kv_blocks", int, "Force the number of KV blocks", "from the KV cache size"),
+)
+
+
+def fail(message: str) -> NoReturn:
+    """The CLI's only error exit: one red `error: ...` line on stderr, status 2, no traceback."""
+    err_console.print(Text("error: " + " ".join(message.split()), style="red"), soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """ValueError is how core (and these commands) report bad input; turn it into `fail`."""
+    try:
+        yield
+    except ValueError as e:
+        fail(str(e))
+
+
+def print_config(config: EngineConfig) -> None:
+    table = Table(title="Engine config", title_justify="left")
+    for col in ("flag", "value", "source"):
+        table.add_column(col)
+    for flag, value, source in config.describe():
+        style = "bold" if source != "default" else None
+        table.add_row(flag, "None" if value is None else str(value), source, style=style)
+    err_console.print(table)
+
+
+def engine_command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Append the engine flags and --print-config to a command's signature.
+
+    The command gets `engine_args`: {field: value or None} for every flag, validated through
+    EngineConfig.resolve before the command runs (so a bad flag fails before torch is imported), and
+    any ValueError it raises becomes one error line.
+    """
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "engine_args"]
+    show = inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--print-config", help="Print the resolved engine config (flag, value, source), then run",
+        rich_help_panel=PANEL))
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> Any:
+        engine_args = {f.name: kwargs.pop(f.name) for f in ENGINE_FLAGS}
+        with exit_on_bad_input():
+            config = EngineConfig.resolve(engine_args, profile=None)
+            if kwargs.pop("print_config"):
+                print_config(config)
+            return fn(engine_args=engine_args, **kwargs)
+
+    command.__signature__ = sig.replace(parameters=own + [f.parameter() for f in ENGINE_FLAGS] + [show])
+    return command
+
+
+def build_llm(engine_args: dict[str, Any]):
+    """The one place the CLI builds an engine (imports torch)."""
+    from vserve import LLM
+
+    return LLM(**engine_args)

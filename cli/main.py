@@ -1,0 +1,33 @@
+"""The `vserve` entry point: the typer app and its commands. Importing it imports no torch."""
+
+from __future__ import annotations
+
+import typer
+
+import vserve
+from vserve.cli import bench
+from vserve.cli.generate import generate
+from vserve.cli.serve import serve
+
+app = typer.Typer(name="vserve", help="vserve: an LLM serving toolkit (paged KV cache, continuous batching).",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+app.command("generate")(generate)
+app.command("serve")(serve)
+app.add_typer(bench.app, name="bench")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(vserve.__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """vserve: an LLM serving toolkit (paged KV cache, continuous batching)."""
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,53 @@
+"""`vserve serve [MODEL]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from vserve.cli.engine_args import engine_command, print_config
+
+console = Console(stderr=True, highlight=False)
+
+
+@engine_command
+def serve(
+    model_arg: str | None = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf; none: the embedded "
+                                           "default (an embedding model folder serves /v1/embeddings)"),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 unless told)"),
+    port: int = typer.Option(8000, help="Port to listen on"),
+    api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 and /tokenize "
+                                       "routes (default: $VSERVE_API_KEY)"),
+    served_model_name: str | None = typer.Option(None, help="Model name clients use (default: folder name)"),
+    chat_template: str | None = typer.Option(None, help="Jinja chat template file overriding the model's"),
+    max_queue_len: int | None = typer.Option(None, help="Most waiting requests before 429"),
+    drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Serve a model over an OpenAI-compatible API (completions, chat, embeddings, metrics)."""
+    from vserve.core.config import EngineConfig
+
+    if model_arg is not None:
+        if engine_args.get("model") is not None and engine_args["model"] != model_arg:
+            raise ValueError("give the model once: as MODEL or as --model")
+        engine_args["model"] = model_arg
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    if max_queue_len is not None and max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {max_queue_len}")
+    key = api_key or os.environ.get("VSERVE_API_KEY") or None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from vserve.core.server.launch import ServeOptions
+    from vserve.core.server.launch import serve as run
+
+    config = EngineConfig.resolve(engine_args)
+    print_config(config)
+    opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=served_model_name,
+                        chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout)
+    console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
+    raise typer.Exit(run(config, opts))

@@ -1,0 +1,129 @@
+"""Start the server: load the engine (or the embedding engine), run uvicorn, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from vserve.core.config import EngineConfig
+
+log = logging.getLogger("vserve.server")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a file path
+    max_queue_len: int | None = None
+    drain_timeout_s: float = 30.0
+    log_interval_s: float = 10.0
+
+
+def build_server_app(config: EngineConfig, opts: ServeOptions):
+    """(app, async engine or None): loads the model named by config, generative or embedding."""
+    from vserve.core.server.app import ServerSettings, build_app
+
+    template = None
+    if opts.chat_template:
+        p = Path(opts.chat_template)
+        if not p.is_file():
+            raise ValueError(f"--chat-template {opts.chat_template!r} is not a readable file")
+        template = p.read_text()
+    embedder = engine = None
+    if config.model and _is_embedding(config.model):
+        from vserve.core.embedding import EmbeddingEngine
+
+        embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
+        name = opts.served_model_name or Path(config.model).name
+    else:
+        from vserve.core.assets import DEFAULT_MODEL_NAME
+        from vserve.core.async_engine import AsyncEngine
+        from vserve.core.engine import LLMEngine
+
+        llm_engine = LLMEngine(config)
+        name = opts.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
+        engine = AsyncEngine(llm_engine, opts.max_queue_len)
+    settings = ServerSettings(served_model_name=name, api_key=opts.api_key, chat_template=template,
+                              log_interval_s=opts.log_interval_s)
+    app = build_app(engine, settings, embedder=embedder)
+    if engine is not None:
+        metrics = app.state.metrics
+        engine.on_step, engine.on_finish = metrics.on_step, metrics.on_finish
+    return app, engine
+
+
+def _is_embedding(model: str) -> bool:
+    from vserve.core.embedding import is_embedding_model
+
+    p = Path(model)
+    return p.is_dir() and is_embedding_model(p)
+
+
+def _draining_server_class():
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal (exit -15);
+        an operator's SIGTERM is a clean stop here, so the process exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
+def serve(config: EngineConfig, opts: ServeOptions) -> int:
+    """Run until SIGTERM/SIGINT (drain, exit 0) or an engine crash (exit 1). Returns the exit status."""
+    import uvicorn
+
+    _DrainingServer = _draining_server_class()
+    app, engine = build_server_app(config, opts)
+    if engine is not None:
+        engine.start()
+    uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="info",
+                               timeout_graceful_shutdown=int(opts.drain_timeout_s))
+    server = _DrainingServer(uv_config)
+    failed = False
+
+    async def watch_engine():
+        nonlocal failed
+        while engine is not None and not server.should_exit:
+            if engine.error is not None:
+                log.error("engine died: %r; shutting down", engine.error)
+                failed = True
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.2)
+
+    async def main():
+        watcher = asyncio.ensure_future(watch_engine())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return 1 if failed else 0

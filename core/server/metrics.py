@@ -1,0 +1,100 @@
+"""Prometheus metrics with vLLM's names under `vserve:`, labelled by model_name, and the periodic log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from vserve.core.engine import LLMEngine
+from vserve.core.request import Request, RequestOutput
+
+log = logging.getLogger("vserve.metrics")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def g(name, doc):
+            return Gauge(f"vserve:{name}", doc, lab, registry=r).labels(model_name)
+
+        def c(name, doc):
+            return Counter(f"vserve:{name}", doc, lab, registry=r).labels(model_name)
+
+        def h(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(f"vserve:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = g("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = g("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prefix_cache_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = c("num_preemptions", "Requests preempted (to be recomputed).")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens computed (prefill).")
+        self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self._success = Counter("vserve:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.time_to_first_token = h("time_to_first_token_seconds", "Time to first token.")
+        self.time_per_output_token = h("time_per_output_token_seconds", "Time per output token after the first.")
+        self.e2e_request_latency = h("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.request_queue_time = h("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "gen": 0}
+        self._log_mark = (time.monotonic(), 0, 0)
+
+    def on_step(self, engine: LLMEngine, step_tokens: int, _seconds: float) -> None:
+        s = engine.stats()
+        self.num_requests_running.set(s.num_running)
+        self.num_requests_waiting.set(s.num_waiting)
+        self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        self._inc("queries", self.prefix_cache_queries, s.prefix_cache_queries)
+        self._inc("hits", self.prefix_cache_hits, s.prefix_cache_hits)
+        self._inc("preemptions", self.num_preemptions, s.num_preemptions)
+        self._inc("prompt", self.prompt_tokens, engine.num_computed_prompt_tokens)
+        self._inc("gen", self.generation_tokens, engine.num_generated_tokens)
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
+
+    def _inc(self, key: str, counter, total: int) -> None:
+        if total > self._seen[key]:
+            counter.inc(total - self._seen[key])
+        self._seen[key] = total
+
+    def on_finish(self, out: RequestOutput, children: list[Request]) -> None:
+        end = time.monotonic()
+        for req, comp in zip(children, out.outputs):
+            self._success.labels(self.model_name, comp.finish_reason or "abort").inc()
+            if req.first_token_time is not None:
+                self.time_to_first_token.observe(req.first_token_time - req.arrival_time)
+                if req.num_output_tokens > 1:
+                    self.time_per_output_token.observe((end - req.first_token_time) / (req.num_output_tokens - 1))
+            if req.scheduled_time is not None:
+                self.request_queue_time.observe(req.scheduled_time - req.arrival_time)
+            self.e2e_request_latency.observe(end - req.arrival_time)
+
+    def log_line(self, engine: LLMEngine) -> str:
+        now = time.monotonic()
+        t0, p0, g0 = self._log_mark
+        dt = max(now - t0, 1e-9)
+        p, gtok = engine.num_computed_prompt_tokens, engine.num_generated_tokens
+        self._log_mark = (now, p, gtok)
+        s = engine.stats()
+        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        return (f"Avg prompt throughput: {(p - p0) / dt:.1f} tokens/s, Avg generation throughput: "
+                f"{(gtok - g0) / dt:.1f} tokens/s, Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+                f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {100 * hit:.1f}%")
+
+    def refresh(self, engine: LLMEngine) -> None:
+        """Read the gauges fresh (for /metrics while idle)."""
+        s = engine.stats()
+        self.num_requests_running.set(s.num_running)
+        self.num_requests_waiting.set(s.num_waiting)
+        self.kv_cache_usage_perc.set(s.kv_cache_usage)

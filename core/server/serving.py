@@ -1,0 +1,314 @@
+"""Route handlers: completions, chat completions (plain and SSE streaming) and embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vserve.core.async_engine import AsyncEngine
+from vserve.core.request import CompletionOutput, RequestOutput
+from vserve.core.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    now,
+    random_id,
+    usage,
+)
+
+
+def render_chat(engine, conversation: list[dict], settings, add_generation_prompt: bool = True) -> str:
+    tok = engine.tokenizer
+    template = settings.chat_template
+    if template is None and not getattr(tok, "chat_template", None):
+        raise ValueError("this model has no chat template; start the server with --chat-template FILE")
+    conv = [{"role": "system" if m["role"] == "developer" else m["role"],
+             "content": m["content"] if isinstance(m["content"], str) else
+             "".join(p["text"] for p in (m["content"] or []))} for m in conversation]
+    try:
+        return tok.apply_chat_template(conv, chat_template=template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja raises its own errors for conversations the template rejects
+        raise ValueError(f"the chat template rejected these messages: {e}") from None
+
+
+async def _until_disconnect(raw: Request) -> None:
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _collect(gen: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput | None:
+    """The final output, or None if the client went away first (the request is then aborted)."""
+
+    async def last():
+        final = None
+        async for final in gen:  # noqa: B007 (the last output is the final one)
+            pass
+        return final
+
+    work = asyncio.ensure_future(last())
+    watch = asyncio.ensure_future(_until_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    finally:
+        watch.cancel()
+        await gen.aclose()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+# ---- completions ---------------------------------------------------------------------------------------------
+def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for tok_id, entry in zip(comp.token_ids, comp.logprobs or []):
+        text = _token_text(tokenizer, tok_id)
+        tokens.append(text)
+        token_lps.append(entry[tok_id].logprob)
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[: max(n_top, 0)]
+        tops.append({_token_text(tokenizer, t): lp.logprob for t, lp in ranked} if n_top else None)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def create_completion(engine: AsyncEngine, body: CompletionRequest, raw: Request, settings):
+    if body.suffix is not None:
+        raise ValueError("suffix is not supported")
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise ValueError(f"best_of must be >= n, got best_of={best_of}, n={body.n}")
+    if body.stream and best_of != body.n:
+        raise ValueError("best_of cannot be used with stream")
+    prompts = body.prompts()
+    want_lp = body.logprobs is not None or best_of > body.n
+    sp = body.sampling_params(body.max_tokens, (body.logprobs or 0) if want_lp else None, n=best_of)
+    base_id = random_id("cmpl")
+    created, model = now(), settings.served_model_name
+    gens = []
+    for i, p in enumerate(prompts):  # validate every prompt before any starts
+        gens.append(engine.generate(f"{base_id}-{i}", p, sp))
+    tokenizer = engine.engine.tokenizer
+
+    if body.stream:
+        return StreamingResponse(_stream_completion(engine, body, gens, base_id, created, model, tokenizer),
+                                 media_type="text/event-stream")
+
+    try:
+        # The first __anext__ of each generator validates and enqueues its prompt.
+        outs = await asyncio.gather(*[_collect(g, raw) for g in gens])
+    except BaseException:
+        for g in gens:
+            await g.aclose()
+        raise
+    if any(o is None for o in outs):
+        return JSONResponse({}, status_code=499)
+    choices, n_prompt, n_completion = [], 0, 0
+    for pi, out in enumerate(outs):
+        n_prompt += len(out.prompt_token_ids)
+        comps = out.outputs
+        n_completion += sum(len(c.token_ids) for c in comps)
+        if best_of > body.n:
+            comps = sorted(comps, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)[: body.n]
+        prefix = ""
+        if body.echo:
+            p = prompts[pi]
+            prefix = p if isinstance(p, str) else tokenizer.decode(p)
+        for j, comp in enumerate(comps):
+            lp = None
+            if body.logprobs is not None:
+                lp = _completion_logprobs(tokenizer, comp, body.logprobs, len(prefix))
+            choices.append({"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
+                            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+    return {"id": base_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(n_prompt, n_completion)}
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several generators' outputs as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, g):
+        try:
+            async for out in g:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+async def _stream_completion(engine, body: CompletionRequest, gens, base_id, created, model, tokenizer):
+    sent_text: dict[tuple[int, int], int] = {}
+    sent_tok: dict[tuple[int, int], int] = {}
+    n_prompt = n_completion = 0
+    try:
+        async for pi, out in _merge(gens):
+            for comp in out.outputs:
+                key = (pi, comp.index)
+                if key not in sent_text:
+                    sent_text[key], sent_tok[key] = 0, 0
+                    if body.echo:
+                        p = body.prompts()[pi]
+                        yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index,
+                                          p if isinstance(p, str) else tokenizer.decode(p), None, None))
+                delta = comp.text[sent_text[key]:]
+                new_tokens = comp.token_ids[sent_tok[key]:]
+                if not delta and not comp.finish_reason:
+                    continue
+                lp = None
+                if body.logprobs is not None and new_tokens:
+                    part = CompletionOutput(comp.index, delta, new_tokens, None,
+                                            (comp.logprobs or [])[sent_tok[key]:])
+                    lp = _completion_logprobs(tokenizer, part, body.logprobs, sent_text[key])
+                sent_text[key], sent_tok[key] = len(comp.text), len(comp.token_ids)
+                yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index, delta, lp,
+                                  comp.finish_reason))
+            if out.finished:
+                n_prompt += len(out.prompt_token_ids)
+                n_completion += sum(len(c.token_ids) for c in out.outputs)
+        if body.stream_options and body.stream_options.include_usage:
+            yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": usage(n_prompt, n_completion)})
+    except (ValueError, RuntimeError) as e:
+        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": 400}})
+    yield "data: [DONE]\n\n"
+
+
+def _chunk(base_id, created, model, index, text, logprobs, finish_reason) -> dict:
+    return {"id": base_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+# ---- chat completions ----------------------------------------------------------------------------------------
+def _chat_logprobs(tokenizer, token_ids: list[int], entries, n_top: int) -> dict:
+    content = []
+    for tok_id, entry in zip(token_ids, entries):
+        text = _token_text(tokenizer, tok_id)
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:n_top]
+        content.append({
+            "token": text, "logprob": entry[tok_id].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t_text := _token_text(tokenizer, t)), "logprob": lp.logprob,
+                              "bytes": list(t_text.encode())} for t, lp in ranked],
+        })
+    return {"content": content}
+
+
+async def create_chat_completion(engine: AsyncEngine, body: ChatCompletionRequest, raw: Request, settings):
+    eng = engine.engine
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValueError("top_logprobs needs logprobs=true")
+    text = render_chat(eng, body.conversation(), settings, body.add_generation_prompt)
+    prompt_ids = eng.tokenizer(text, add_special_tokens=False).input_ids
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    n_top = body.top_logprobs or 0
+    sp = body.sampling_params(max_tokens, n_top if body.logprobs else None)
+    rid = random_id("chatcmpl")
+    created, model = now(), settings.served_model_name
+    gen = engine.generate(rid, prompt_ids, sp)
+    tokenizer = eng.tokenizer
+    if body.stream:
+        return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top),
+                                 media_type="text/event-stream")
+    out = await _collect(gen, raw)
+    if out is None:
+        return JSONResponse({}, status_code=499)
+    choices = []
+    for comp in out.outputs:
+        lp = _chat_logprobs(tokenizer, comp.token_ids, comp.logprobs, n_top) if body.logprobs else None
+        choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
+                        "logprobs": lp, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+    n_completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), n_completion)}
+
+
+async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, tokenizer, n_top):
+    def chunk(choices, **extra):
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices, **extra})
+
+    sent_text = [0] * body.n
+    sent_tok = [0] * body.n
+    last = None
+    try:
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(body.n)])
+        async for out in gen:
+            last = out
+            for comp in out.outputs:
+                i = comp.index
+                delta = comp.text[sent_text[i]:]
+                new_tokens = comp.token_ids[sent_tok[i]:]
+                if not delta and not comp.finish_reason:
+                    continue
+                lp = None
+                if body.logprobs and new_tokens:
+                    lp = _chat_logprobs(tokenizer, new_tokens, (comp.logprobs or [])[sent_tok[i]:], n_top)
+                sent_text[i], sent_tok[i] = len(comp.text), len(comp.token_ids)
+                yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": comp.finish_reason}])
+        if body.stream_options and body.stream_options.include_usage and last is not None:
+            yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)))
+    except (ValueError, RuntimeError) as e:
+        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": 400}})
+    finally:
+        await gen.aclose()
+    yield "data: [DONE]\n\n"
+
+
+# ---- embeddings ----------------------------------------------------------------------------------------------
+async def create_embedding(embedder, body: EmbeddingRequest, settings):
+    inputs = body.input
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("input must not be empty")
+    if body.dimensions is not None and body.dimensions != embedder.dim:
+        raise ValueError(f"dimensions must be {embedder.dim} for this model, got {body.dimensions}")
+    vectors, n_tokens = await asyncio.get_running_loop().run_in_executor(None, embedder.embed, inputs)
+    data = []
+    for i, v in enumerate(vectors):
+        if body.encoding_format == "base64":
+            emb = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+        else:
+            emb = v
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": settings.served_model_name,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
