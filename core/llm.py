@@ -42,18 +42,13 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        # Validate every prompt before enqueueing any, so a bad one leaves nothing half-done.
-        ids = [engine.tokenize(p) for p in prompts]
-        for p in ids:
-            if len(p) >= engine.max_model_len:
-                raise ValueError(f"prompt has {len(p)} tokens, which leaves no room to generate within "
-                                 f"--max-model-len {engine.max_model_len}")
+        # Validate and tokenize every prompt before enqueueing any, so a bad one leaves nothing half-done.
+        batch = [engine.make_requests(str(next(self._ids)), p, sp) for p, sp in zip(prompts, sampling_params)]
         order = []
         try:
-            for prompt, sp in zip(prompts, sampling_params):
-                rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp)
-                order.append(rid)
+            for children in batch:
+                engine.submit(children)
+                order.append(children[0].parent_id)
             return self._run(order, use_tqdm)
         except BaseException:
             for rid in order:

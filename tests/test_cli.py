@@ -1,0 +1,162 @@
+"""The `vserve` CLI: fast --help/--version, one-line errors with status 2, generate and bench throughput."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from vserve.cli import bench, generate
+from vserve.cli.main import app
+
+runner = CliRunner()
+_LLMS: dict = {}  # one model load shared by every test that generates
+
+
+@pytest.fixture
+def shared_llm(monkeypatch):
+    """Commands given the same engine flags reuse one LLM instead of loading the model again."""
+    real = generate.build_llm
+
+    def build_llm(engine_args):
+        key = tuple(sorted(engine_args.items()))
+        if key not in _LLMS:
+            _LLMS[key] = real(engine_args)
+        return _LLMS[key]
+
+    monkeypatch.setattr(generate, "build_llm", build_llm)
+    monkeypatch.setattr(bench, "build_llm", build_llm)
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"VSERVE_NO_PROGRESS": "1"})
+
+
+def test_help_and_version_import_no_torch():
+    code = """
+import sys
+from vserve.cli.main import app
+for args in (["--help"], ["--version"], ["generate", "--help"], ["bench", "throughput", "--help"]):
+    try:
+        app(args, prog_name="vserve")
+    except SystemExit as e:
+        assert e.code == 0, (args, e.code)
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"})  # wide enough for untruncated flag names
+    assert res.returncode == 0, res.stderr
+    import vserve
+
+    assert vserve.__version__ in res.stdout.splitlines()
+    assert "--max-num-batched-tokens" in res.stdout and "--print-config" in res.stdout
+
+
+def test_bad_block_size_exits_2_with_one_error_line():
+    res = invoke("generate", "hi", "--block-size", "7")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == ["error: --block-size must be one of 16, 32, 64, 128, 256, got 7"]
+    assert res.stdout == ""
+
+
+def test_nonexistent_model_exits_2_with_one_error_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    res = invoke("generate", "hi", "--model", str(missing))
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [f"error: model path {str(missing)!r} does not exist "
+                                       "(vserve loads local folders and files only)"]
+
+
+def test_no_prompt_exits_2_with_one_error_line():
+    res = invoke("generate")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == ["error: no prompt: pass one or more PROMPT arguments or --file "
+                                       "prompts.txt|.jsonl"]
+
+
+def test_bad_jsonl_line_names_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": \n')
+    res = invoke("generate", "--file", str(f))
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [f"error: {f}:2: not valid JSON (Expecting value)"]
+
+
+def test_every_engine_config_field_is_a_flag():
+    from dataclasses import fields
+
+    from vserve.cli.engine_args import ENGINE_FLAGS
+    from vserve.core.config import EngineConfig
+
+    assert [f.name for f in ENGINE_FLAGS] == [f.name for f in fields(EngineConfig) if f.name != "sources"]
+
+
+def test_print_config_shows_flag_sources_before_running():
+    res = invoke("generate", "--block-size", "32", "--print-config")
+    assert res.exit_code == 2  # no prompt: the table is printed first
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in res.stderr.splitlines() if line.startswith("│")}
+    assert rows["--block-size"] == ["32", "flag"]
+    assert rows["--max-num-seqs"] == ["256", "default"]
+
+
+def test_read_prompts_txt_and_jsonl(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\n  \nsecond \n")
+    assert generate.read_prompts(txt) == ["first", "second "]
+    jsonl = tmp_path / "p.jsonl"
+    msgs = [{"role": "user", "content": "hi"}]
+    jsonl.write_text(json.dumps({"prompt": "a"}) + "\n\n" + json.dumps({"messages": msgs}) + "\n")
+    assert generate.read_prompts(jsonl) == ["a", msgs]
+    assert generate.conversation("q", "be brief") == [{"role": "system", "content": "be brief"},
+                                                      {"role": "user", "content": "q"}]
+
+
+def test_length_ranges_and_workload_are_deterministic():
+    assert bench.parse_len("--input-len", "16") == (16, 16)
+    assert bench.parse_len("--input-len", "32:64") == (32, 64)
+    for bad in ("0", "8:4", "x", "1:2:3"):
+        with pytest.raises(ValueError, match="--input-len must be N or A:B"):
+            bench.parse_len("--input-len", bad)
+    a = bench.random_workload(3, 8, (32, 64), (2, 9), 100, {0, 1, 2})
+    assert a == bench.random_workload(3, 8, (32, 64), (2, 9), 100, {0, 1, 2})
+    assert all(32 <= len(p) <= 64 and min(p) >= 3 for p in a.prompts)
+    assert all(2 <= o <= 9 for o in a.output_lens)
+
+
+def test_generate_streams_greedy_paris(shared_llm):
+    res = invoke("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0")
+    assert res.exit_code == 0, res.output
+    assert "Paris" in res.stdout
+
+
+def test_generate_json_lines_from_args_and_file(shared_llm, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("One plus one is\n\nThe capital of France is\n")
+    res = invoke("generate", "Hello", "--file", str(f), "--json", "--max-tokens", "4", "--temperature", "0")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello", "One plus one is", "The capital of France is"]
+    for r in rows:
+        assert set(r) == {"prompt", "text", "token_ids", "finish_reason", "index"}
+        assert 1 <= len(r["token_ids"]) <= 4 and r["index"] == 0 and r["finish_reason"] in ("stop", "length")
+    assert "Paris" in rows[2]["text"]
+
+
+def test_prompt_longer_than_max_model_len_exits_2(shared_llm):
+    res = invoke("generate", "The capital of France is", "--max-model-len", "3", "--no-stream")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == ["error: prompt has 5 tokens, which leaves no room to generate within "
+                                       "--max-model-len 3"]
+
+
+def test_bench_throughput_json(shared_llm):
+    res = invoke("bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert (r["backend"], r["num_requests"], r["prompt_tokens"], r["output_tokens"]) == ("vserve", 4, 64, 16)
+    assert r["elapsed_s"] > 0
+    assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
+    assert r["total_tokens_per_s"] == pytest.approx(80 / r["elapsed_s"])
