@@ -64,9 +64,13 @@ ENGINE_FLAGS = (
     EngineFlag("tensor_parallel_size", int, "GPUs to shard the model over"),
     EngineFlag("trust_remote_code", bool, "Let the tokenizer run code from the model folder",
                decls=("--trust-remote-code",)),
+    EngineFlag("skip_tokenizer_init", bool, "Load no tokenizer: prompts are token ids, outputs carry no text",
+               decls=("--skip-tokenizer-init",)),
     EngineFlag("device", str, "auto | cpu | cuda; auto: cuda when available"),
     EngineFlag("kv_cache_memory_gib", float, "KV cache size in GiB", "sized by the engine from free memory"),
     EngineFlag("num_kv_blocks", int, "Force the number of KV blocks", "from the KV cache size"),
+    EngineFlag("profile", str, "GPU profile (vserve profiles list) or auto (detect the GPU): its recommended "
+               "settings fill what other flags leave unset", "none"),
 )
 
 

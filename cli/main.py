@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 import vserve
-from vserve.cli import bench
+from vserve.cli import bench, profiles
+from vserve.cli.doctor import doctor
 from vserve.cli.generate import generate
 from vserve.cli.serve import serve
 
@@ -15,6 +16,8 @@ app = typer.Typer(name="vserve", help="vserve: an LLM serving toolkit (paged KV 
 app.command("generate")(generate)
 app.command("serve")(serve)
 app.add_typer(bench.app, name="bench")
+app.add_typer(profiles.app, name="profiles")
+app.command("doctor")(doctor)
 
 
 def _print_version(value: bool) -> None:

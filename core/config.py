@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -29,9 +30,11 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids and outputs carry no text
     device: str = "auto"  # auto: cuda when available, else cpu
     kv_cache_memory_gib: float | None = None  # CPU KV cache size; None: 1 GiB or a quarter of free RAM
     num_kv_blocks: int | None = None  # force the number of KV blocks (tests, experiments)
+    profile: str | None = None  # a GPU profile (`vserve profiles list`) or auto: fills what flags leave unset
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,24 +69,59 @@ class EngineConfig:
             raise bad("num_kv_blocks", ">= 1")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise bad("kv_cache_memory_gib", "> 0")
+        if self.profile not in (None, "auto"):
+            from vserve.profiles import profile_names  # YAML file names only: cheap, no torch
+
+            if self.profile not in profile_names():
+                raise bad("profile", f"auto or one of {', '.join(profile_names())}")
 
     @classmethod
-    def resolve(cls, flags: dict, profile: dict | None = None) -> EngineConfig:
-        """Merge defaults < profile < flags (None in flags means 'not given')."""
+    def resolve(cls, flags: dict, profile=None) -> EngineConfig:
+        """Merge defaults < profile < flags (None in flags means 'not given').
+
+        profile: a dict of values, or a vserve.profiles.settings.ProfileSettings; when None and flags name a
+        --profile, that profile's settings for flags' model. A profile value the engine does not support
+        (tensor parallelism, quantization) is not applied: its source says what the profile recommends, and why.
+        """
         names = {f.name for f in fields(cls)} - {"sources"}
         unknown = set(flags) - names
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if profile is None and flags.get("profile") is not None:
+            cls(profile=flags["profile"])  # a bad name fails as a flag does
+            from vserve.profiles.settings import profile_settings
+
+            profile = profile_settings(flags["profile"], flags.get("model"))
+        label, items = "profile", profile or {}
+        if hasattr(profile, "values"):
+            label, items = profile.label, profile.values
         values, sources = {}, {n: "default" for n in names}
-        for name, value in (profile or {}).items():
-            if name in names:
-                values[name], sources[name] = value, "profile"
+        for name, value in items.items():
+            if name not in names:
+                continue
+            why = cls._unsupported(name, value)
+            if why is None:
+                values[name], sources[name] = value, label
+            else:
+                sources[name] = f"default ({label} recommends {value}; {why})"
         for name, value in flags.items():
             if value is not None:
                 values[name], sources[name] = value, "flag"
+        if hasattr(profile, "values") and flags.get("profile") == "auto":
+            sources["profile"] = f"flag ({profile.profile.name})"
         cfg = cls(**values)
         cfg.sources = sources
         return cfg
+
+    @classmethod
+    def _unsupported(cls, name: str, value: object) -> str | None:
+        """Why the engine refuses this one value (the parenthesis of its error when it has one), else None."""
+        try:
+            cls(**{name: value})
+        except ValueError as e:
+            found = re.search(r"\(([^)]*)\)", str(e))
+            return found.group(1) if found else str(e)
+        return None
 
     def describe(self) -> list[tuple[str, object, str]]:
         """(flag, value, source) rows for printing the resolved config."""

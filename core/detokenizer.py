@@ -31,6 +31,8 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int, check_stop: bool) -> str | None:
         """Append one token's text; return the stop string it completed, if any."""
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            return None
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])

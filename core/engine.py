@@ -13,7 +13,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.detokenizer import IncrementalDetokenizer
 from vserve.core.kv_cache import KVCacheManager
 from vserve.core.loader import DTYPES, build_model, resolve_model
-from vserve.core.memory import GiB, check_fits_one_sequence, default_cpu_kv_budget, kv_bytes_per_block
+from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_config import ModelConfig
 from vserve.core.model_runner import ModelRunner
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
@@ -80,26 +80,39 @@ class LLMEngine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, mc, self.device)
         self.max_model_len = self._max_model_len(config, mc)
-        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path,
-                                        "hf" if config.tokenizer else fmt, config.trust_remote_code)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
+            config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
         self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed)
 
         bs = config.block_size
-        per_block = kv_bytes_per_block(mc, bs, self.dtype.itemsize)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = (config.kv_cache_memory_gib * GiB if config.kv_cache_memory_gib
-                      else default_cpu_kv_budget())
-            # no more blocks than max_num_seqs full-length sequences can use
-            most = config.max_num_seqs * -(-self.max_model_len // bs)
-            num_blocks = min(int(budget // per_block), most)
-        check_fits_one_sequence(num_blocks, bs, self.max_model_len, per_block)
+        c, measured = config, {}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            measured["gpu_memory_bytes"] = total
+            if c.num_kv_blocks is None and not c.kv_cache_memory_gib:
+                from vserve.core.model_runner import profile_peak_activation
+
+                measured["in_use_bytes"] = total - free
+                measured["peak_activation_bytes"] = profile_peak_activation(
+                    self.model, mc, c.max_num_batched_tokens, self.max_model_len, c.max_num_seqs, bs, self.dtype,
+                    self.device)
+        # One planner for the engine and `vserve doctor`; here it is fed what was measured.
+        self.memory_plan = plan_memory(
+            mc, gpu_memory_bytes=measured.pop("gpu_memory_bytes", None), dtype_bytes=self.dtype.itemsize,
+            block_size=bs, max_model_len=self.max_model_len, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs, gpu_memory_utilization=c.gpu_memory_utilization,
+            cuda_graphs=not c.enforce_eager, num_kv_blocks=c.num_kv_blocks,
+            kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None, **measured)
+        self.memory_plan.check()
+        num_blocks = self.memory_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed)
+        self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.parents: dict[str, list[Request]] = {}
@@ -122,7 +135,7 @@ class LLMEngine:
 
     def _stop_token_ids(self, folder: Path | None) -> set[int]:
         ids = set(self.model_config.eos_token_id)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         gen = folder / "generation_config.json" if folder is not None else None
         if gen is not None and gen.exists():
@@ -132,11 +145,15 @@ class LLMEngine:
 
     @property
     def eos_token_id(self) -> int | None:
+        if self.tokenizer is None:
+            return self.model_config.eos_token_id[0] if self.model_config.eos_token_id else None
         return self.tokenizer.eos_token_id
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompts as token ids")
             return self.tokenizer(prompt).input_ids
         ids = list(prompt)
         if not ids:
@@ -156,6 +173,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt must not be empty")
         params.validate_for_vocab(self.model_config.vocab_size)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine has none (skip_tokenizer_init)")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "

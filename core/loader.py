@@ -117,18 +117,30 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    """Random weights (for benchmarks), drawn on the parameters' own device."""
+    for i, (name, p) in enumerate(model.named_parameters()):
         if "norm" in name:
             p.data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            g = torch.Generator(device=p.device).manual_seed(seed + i)
+            p.data.normal_(0.0, 0.02, generator=g)
 
 
 def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, device: torch.device,
                 seed: int = 0) -> nn.Module:
-    with _default_dtype(dtype):
-        model = get_model_class(cfg)(cfg)
+    try:
+        with _default_dtype(dtype), torch.device(device):
+            model = get_model_class(cfg)(cfg)
+    except torch.OutOfMemoryError:
+        from vserve.core.memory import fmt_bytes
+
+        with torch.device("meta"):
+            n = sum(p.numel() for p in get_model_class(cfg)(cfg).parameters())
+        total = torch.cuda.get_device_properties(device).total_memory
+        raise ValueError(
+            f"the model's weights ({n / 1e9:.1f}B parameters, {fmt_bytes(n * dtype.itemsize)} in {dtype}) do not "
+            f"fit on {device} ({fmt_bytes(total)} in all, some held by other processes); use a quantized "
+            f"checkpoint or more GPUs") from None
     if fmt == "dummy":
         init_dummy_weights(model, seed)
     elif fmt == "gguf":
@@ -140,4 +152,4 @@ def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, devi
         files = safetensors_files(path)
         total = count_safetensors(files)
         load_weights(model, progress_bar(iter_safetensors(files), total, "Loading weights"))
-    return model.to(device).eval()
+    return model.eval()

@@ -1,12 +1,292 @@
-"""Memory planner: bytes of KV per token and block, and how many KV blocks a memory budget holds."""
+"""Memory planner: weights, activations, CUDA graphs and runtime beside the KV cache -> KV blocks, the longest
+sequence and the concurrency that fit. The engine sizes its cache with `plan_memory`; `vserve doctor` predicts
+with the same function, so the two cannot disagree.
+
+Every byte count is for one GPU (one tensor-parallel rank). Estimates that are not pure arithmetic (runtime,
+CUDA graph pool) are named constants below; docs/doctor.md says how they were chosen.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 
 from vserve.core.model_config import ModelConfig
+from vserve.core.model_shapes import moe_shape
 
 GiB = 1 << 30
+MiB = 1 << 20
+
+# Outside torch's allocator, so not in torch.cuda.max_memory_allocated: the CUDA context, cuBLAS handles,
+# Triton's loaded kernels, allocator slack. vLLM sees 0.5-1 GiB of such memory per GPU.
+RUNTIME_OVERHEAD_BYTES = 768 * MiB
+NCCL_OVERHEAD_BYTES = 512 * MiB  # per rank when TP > 1: communicators and their channel buffers
+SAMPLER_BYTES_PER_LOGIT = 20  # float32 logits and probs, a sort's float32 values and int64 indices (top-k/p)
+TIGHT_CONCURRENCY = 4  # fewer --max-model-len sequences than this fit at once: the verdict is "tight"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Weight-only storage of a quantization method: bits per weight plus per-group scales and zeros."""
+
+    name: str
+    bits: int
+    group_size: int | None  # None: one scale per output channel
+    zeros: bool  # asymmetric: a zero point per group, packed at `bits` (AWQ, GPTQ)
+    scale_bytes: int = 2
+
+
+QUANTIZATIONS = {
+    "awq": QuantSpec("awq", 4, 128, True),
+    "gptq": QuantSpec("gptq", 4, 128, True),
+    "fp8": QuantSpec("fp8", 8, None, False, 4),
+    "int8": QuantSpec("int8", 8, None, False, 4),
+}
+
+
+def quant_spec(quantization: str | QuantSpec | None) -> QuantSpec | None:
+    if quantization is None or isinstance(quantization, QuantSpec):
+        return quantization
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return QUANTIZATIONS[quantization]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    heads, kv = m.num_attention_heads, m.num_key_value_heads
+    if tp < 1 or heads % tp:
+        raise ValueError(f"--tensor-parallel-size must divide the model's {heads} attention heads, got {tp}")
+    if kv % tp and tp % kv:
+        raise ValueError(f"--tensor-parallel-size must divide or be a multiple of the model's {kv} KV heads, "
+                         f"got {tp}")
+
+
+def kv_heads_per_rank(m: ModelConfig, tp: int = 1) -> int:
+    """KV heads are split over ranks; with fewer heads than ranks each rank holds a replica of one."""
+    return max(1, m.num_key_value_heads // tp)
+
+
+def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int]]:
+    """(in_features, out_features, how many) of one rank's quantizable linear layers."""
+    H, L = m.hidden_size, m.num_hidden_layers
+    q = m.num_attention_heads // tp * m.head_dim
+    kv = kv_heads_per_rank(m, tp) * m.head_dim
+    layers = [(H, q + 2 * kv, L), (q, H, L)]
+    moe = moe_shape(m)
+    mlps = [(m.intermediate_size, L)] if moe is None else [(moe.intermediate_size, L * moe.num_experts)]
+    if moe is not None and moe.shared_intermediate_size:
+        mlps.append((moe.shared_intermediate_size, L))
+    for inter, n in mlps:
+        i = _cdiv(inter, tp)
+        layers += [(H, 2 * i, n), (i, H, n)]  # gate_up (column-parallel), down (row-parallel)
+    return layers
+
+
+def _other_params(m: ModelConfig, tp: int) -> int:
+    """One rank's parameters that stay in the model dtype: embeddings, lm_head, norms, biases, the MoE router."""
+    H, L, hd = m.hidden_size, m.num_hidden_layers, m.head_dim
+    n = _cdiv(m.vocab_size, tp) * H * (1 if m.tie_word_embeddings else 2) + (2 * L + 1) * H
+    if m.qk_norm:
+        n += 2 * hd * L
+    if m.attention_bias:
+        n += (m.num_attention_heads // tp + 2 * kv_heads_per_rank(m, tp)) * hd * L
+    moe = moe_shape(m)
+    if moe is not None:
+        n += H * moe.num_experts * L + (H * L if moe.shared_intermediate_size else 0)
+    return n
+
+
+def num_params(m: ModelConfig) -> int:
+    """Parameters of the whole model (tensor-parallel size 1)."""
+    return sum(i * o * n for i, o, n in _linear_layers(m, 1)) + _other_params(m, 1)
+
+
+def weights_bytes(m: ModelConfig, dtype_bytes: int, quantization: str | QuantSpec | None = None,
+                  tensor_parallel_size: int = 1) -> int:
+    """One rank's weights: linear layers at the quantization's bits plus its scales and zeros, the rest in dtype."""
+    spec = quant_spec(quantization)
+    total = _other_params(m, tensor_parallel_size) * dtype_bytes
+    for fin, fout, n in _linear_layers(m, tensor_parallel_size):
+        if spec is None:
+            total += n * fin * fout * dtype_bytes
+            continue
+        groups = fout * (1 if spec.group_size is None else _cdiv(fin, spec.group_size))
+        meta = groups * spec.scale_bytes + (groups * spec.bits // 8 if spec.zeros else 0)
+        total += n * (fin * fout * spec.bits // 8 + meta)
+    return total
+
+
+def kv_bytes_per_token(m: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """2 (K and V) x layers x one rank's KV heads x head dim x dtype bytes."""
+    return 2 * m.num_hidden_layers * kv_heads_per_rank(m, tensor_parallel_size) * m.head_dim * dtype_bytes
+
+
+def activation_bytes(m: ModelConfig, num_tokens: int, num_sampled: int, dtype_bytes: int,
+                     tensor_parallel_size: int = 1) -> int:
+    """Peak of one forward over num_tokens: the residual plus the larger of the attention and MLP temporaries
+    (flash-style attention: no tokens x tokens scores), plus the sampler's float32 work on num_sampled rows."""
+    tp = tensor_parallel_size
+    H = m.hidden_size
+    q = m.num_attention_heads // tp * m.head_dim
+    kv = kv_heads_per_rank(m, tp) * m.head_dim
+    attn = H + (q + 2 * kv) + q  # normed input, qkv, attention output
+    moe = moe_shape(m)
+    if moe is None:
+        mlp = H + 3 * _cdiv(m.intermediate_size, tp)  # normed input, gate_up, silu(gate) * up
+    else:
+        mlp = H + moe.top_k * 3 * _cdiv(moe.intermediate_size, tp) + 4 * moe.num_experts // dtype_bytes
+    hidden = num_tokens * (H + max(attn, mlp)) * dtype_bytes
+    return hidden + num_sampled * m.vocab_size * (dtype_bytes + SAMPLER_BYTES_PER_LOGIT)
+
+
+def context_limit(m: ModelConfig) -> int:
+    """The longest sequence the model serves (the engine stays inside a sliding window)."""
+    limit = m.max_position_embeddings
+    return limit if m.sliding_window is None else min(limit, m.sliding_window)
+
+
+@dataclass
+class MemoryPlan:
+    """Where one GPU's memory goes (bytes per rank), and what the KV cache left over holds."""
+
+    device: str  # "cuda" or "cpu"
+    gpu_memory_bytes: int | None
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    quantization: str | None
+    dtype_bytes: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    weights_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    runtime_bytes: int  # outside torch's allocator
+    other_processes_bytes: int
+    in_use_bytes: int | None  # measured by the engine (weights, context, other processes); None: predicted
+    budget_bytes: int  # GPU: total x utilization; CPU / fixed: the KV cache budget
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    kv_cache_bytes: int
+    max_model_len_fit: int  # the longest sequence the cache holds, within the model's context
+    max_concurrency: float  # --max-model-len sequences the cache holds at once
+    verdict: str  # fits | tight | oom
+    reason: str
+
+    @property
+    def non_kv_bytes(self) -> int:
+        """What the GPU needs before any KV cache: weights, activations, CUDA graphs, runtime."""
+        return self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.runtime_bytes
+
+    @property
+    def torch_peak_bytes(self) -> int:
+        """What torch.cuda.max_memory_allocated should read after a full-batch run (runtime excluded)."""
+        return self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.kv_cache_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.non_kv_bytes + self.kv_cache_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != "oom"
+
+    def check(self) -> None:
+        """Raise the ValueError a person reads when the plan does not fit."""
+        if self.verdict != "oom":
+            return
+        if self.device == "cpu" or self.reason.startswith("the KV cache holds"):
+            check_fits_one_sequence(self.num_blocks, self.block_size, self.max_model_len, self.kv_bytes_per_block)
+        raise ValueError(self.reason)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "non_kv_bytes": self.non_kv_bytes, "torch_peak_bytes": self.torch_peak_bytes,
+                "total_bytes": self.total_bytes}
+
+
+def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_utilization: float = 0.9,
+                dtype_bytes: int = 2, quantization: str | QuantSpec | None = None, tensor_parallel_size: int = 1,
+                block_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                max_num_seqs: int = 256, cuda_graphs: bool = True, kv_dtype_bytes: int | None = None,
+                kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
+                other_processes_bytes: int = 0, in_use_bytes: int | None = None,
+                peak_activation_bytes: int | None = None) -> MemoryPlan:
+    """Plan one rank's memory.
+
+    gpu_memory_bytes None plans the CPU path: the KV cache gets kv_cache_bytes (default: default_cpu_kv_budget()).
+    On a GPU the cache gets what gpu_memory_bytes x gpu_memory_utilization leaves after weights, runtime, other
+    processes, the activation peak and the CUDA graph pool, or exactly kv_cache_bytes when given. A fixed
+    budget is capped at what max_num_seqs full-length sequences can use; num_kv_blocks forces the count.
+    An engine that has loaded the weights passes what it measured: in_use_bytes (total - free: weights,
+    CUDA context, other processes) replaces the predicted weights + runtime + other processes, and
+    peak_activation_bytes the predicted activation peak.
+    """
+    tp = tensor_parallel_size
+    check_tensor_parallel(model, tp)
+    spec = quant_spec(quantization)
+    on_gpu = gpu_memory_bytes is not None
+    max_len = max_model_len or context_limit(model)
+    per_token = kv_bytes_per_token(model, kv_dtype_bytes or dtype_bytes, tp)
+    per_block = per_token * block_size
+    seq_blocks = _cdiv(max_len, block_size)
+    weights = weights_bytes(model, dtype_bytes, spec, tp)
+    activations = (peak_activation_bytes if peak_activation_bytes is not None else
+                   activation_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens),
+                                    dtype_bytes, tp))
+    graphs = GRAPH_POOL_RESERVE if on_gpu and cuda_graphs else 0
+    runtime = RUNTIME_OVERHEAD_BYTES + (NCCL_OVERHEAD_BYTES if tp > 1 else 0) if on_gpu else 0
+    in_use = in_use_bytes if in_use_bytes is not None else weights + runtime + other_processes_bytes
+    reserved = in_use + activations + graphs  # what the GPU holds besides the KV cache
+
+    fixed = kv_cache_bytes if kv_cache_bytes is not None else (None if on_gpu else default_cpu_kv_budget())
+    budget = int(gpu_memory_bytes * gpu_memory_utilization) if on_gpu else fixed
+    if num_kv_blocks is not None:
+        num_blocks = num_kv_blocks
+    elif fixed is not None:
+        num_blocks = min(int(fixed // per_block), max_num_seqs * seq_blocks)
+    else:
+        num_blocks = max(0, (budget - reserved) // per_block)
+    kv_cache = num_blocks * per_block
+
+    verdict, reason = "fits", ""
+    sized = fixed is None and num_kv_blocks is None  # the cache takes what the utilization leaves
+    need, room = (reserved, budget) if sized else (reserved + kv_cache, gpu_memory_bytes)
+    if on_gpu and need > room:
+        parts = (f"weights {fmt_bytes(weights)}, runtime {fmt_bytes(runtime)}" if in_use_bytes is None
+                 else f"in use {fmt_bytes(in_use)}")
+        verdict = "oom"
+        reason = (f"{'the model needs' if sized else 'the model and its KV cache need'} {fmt_bytes(need)} per GPU "
+                  f"({parts}, activations {fmt_bytes(activations)}, CUDA graphs {fmt_bytes(graphs)}"
+                  f"{f', other processes {fmt_bytes(other_processes_bytes)}' if other_processes_bytes else ''}) "
+                  f"but {fmt_bytes(room)} is available"
+                  f"{f' ({gpu_memory_utilization} x {fmt_bytes(gpu_memory_bytes)})' if sized else ''}")
+    elif num_blocks < seq_blocks:
+        verdict = "oom"
+        reason = (f"the KV cache holds {num_blocks * block_size} tokens but one --max-model-len {max_len} "
+                  f"sequence needs {seq_blocks * block_size}")
+    elif num_blocks * block_size < min(TIGHT_CONCURRENCY, max_num_seqs) * max_len:
+        verdict = "tight"
+        reason = (f"only {num_blocks * block_size / max_len:.1f} sequences of --max-model-len {max_len} fit in "
+                  f"the KV cache at once")
+    return MemoryPlan(
+        device="cuda" if on_gpu else "cpu", gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tp,
+        quantization=spec.name if spec else None, dtype_bytes=dtype_bytes, block_size=block_size,
+        max_model_len=max_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        weights_bytes=weights, activation_bytes=activations, cuda_graph_bytes=graphs, runtime_bytes=runtime,
+        other_processes_bytes=other_processes_bytes, in_use_bytes=in_use_bytes, budget_bytes=budget,
+        kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks, kv_cache_bytes=kv_cache,
+        max_model_len_fit=min(num_blocks * block_size, context_limit(model)),
+        max_concurrency=num_blocks * block_size / max_len, verdict=verdict, reason=reason)
+
+
+# ---- the engine's original helpers (same signatures; plan_memory is built on them) ----------------------
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
@@ -43,3 +323,6 @@ def check_fits_one_sequence(num_blocks: int, block_size: int, max_model_len: int
             f"{fmt_bytes(num_blocks * per_block)}) but one --max-model-len {max_model_len} sequence needs "
             f"{need} blocks ({fmt_bytes(need * per_block)}); lower --max-model-len or give the cache more memory"
         )
+
+
+GRAPH_POOL_RESERVE = 512 * MiB  # decode CUDA graphs' pool, held back when graphs are captured

@@ -11,21 +11,84 @@ from vserve.core.sampler import Sampler, SamplerOutput
 from vserve.core.scheduler import SchedulerOutput
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond (at most 512)."""
+    top = min(max_num_seqs, 512)
+    sizes = [b for b in (1, 2, 4, 8) if b <= top]
+    sizes += list(range(16, min(top, 64) + 1, 8)) + list(range(80, top + 1, 16))
+    if sizes[-1] < top:
+        sizes.append(top)
+    return sizes
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, block_size: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int = 0, max_num_seqs: int = 256,
+                 max_model_len: int = 4096, enforce_eager: bool = True) -> None:
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = []
-        for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.kv_caches.append((attn.k_cache, attn.v_cache))
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
+        self.pin = device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not enforce_eager:
+            self.capture_graphs(graph_batch_sizes(max_num_seqs))
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """One graph per decode batch size, sharing a memory pool; largest first so the pool fits all."""
+        n, dev = max(sizes), self.device
+        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.g_ctx = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_bt = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.long, device=dev)
+        self.g_out = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=dev)
+        pool = None
+        for b in sorted(sizes, reverse=True):
+            md = AttentionMetadata(self.g_slots[:b], self.g_bt[:b], self.g_ctx[:b], b,
+                                   torch.zeros(1, dtype=torch.long, device=dev))
+            self.g_out[:b] = self.model(self.g_ids[:b], self.g_pos[:b], md)  # warm up (compiles kernels)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.g_out[:b] = self.model(self.g_ids[:b], self.g_pos[:b], md)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.graph_sizes = sorted(self.graphs)
+
+    def _run_graph(self, ids, pos, md: AttentionMetadata) -> torch.Tensor | None:
+        T = ids.shape[0]
+        if not self.graphs or md.num_decodes != T or T > self.graph_sizes[-1]:
+            return None
+        b = next(s for s in self.graph_sizes if s >= T)
+        self.g_ids[:T].copy_(ids)
+        self.g_pos[:T].copy_(pos)
+        self.g_slots[:T].copy_(md.slot_mapping)
+        self.g_slots[T:b].fill_(-1)
+        self.g_ctx[:T].copy_(md.context_lens)
+        self.g_ctx[T:b].fill_(0)
+        self.g_bt[:T, :md.block_tables.shape[1]].copy_(md.block_tables)
+        self.graphs[b].replay()
+        return self.g_out[:T]
 
     def prepare_inputs(self, sched: SchedulerOutput, block_ids: list[list[int]]):
         """Flatten the step: input_ids, positions, attention metadata, and which rows sample.
@@ -61,22 +124,58 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(block_ids)),
                                                torch.tensor(sched.num_scheduled_tokens))
         slots = table[seq_of_token, pos // bs] * bs + pos % bs
-        dev = self.device
+        dev = self._dev
         md = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=table.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            slot_mapping=dev(slots),
+            block_tables=dev(table),
+            context_lens=dev(torch.tensor(context_lens, dtype=torch.long)),
             num_decodes=num_decodes,
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.long, device=dev),
+            cu_seqlens_q=dev(torch.tensor(cu_seqlens, dtype=torch.long)),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, pos.to(dev), md, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_reqs
+        ids = dev(torch.tensor(input_ids, dtype=torch.long))
+        return ids, dev(pos), md, dev(torch.tensor(sample_rows, dtype=torch.long)), sample_reqs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
         ids, pos, md, rows, reqs = self.prepare_inputs(sched, block_ids)
-        hidden = self.model(ids, pos, md)
+        hidden = self._run_graph(ids, pos, md)
+        if hidden is None:
+            hidden = self.model(ids, pos, md)
         if not reqs:
             return [], SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[rows])
         return reqs, self.sampler(logits, reqs)
+
+
+@torch.inference_mode()
+def profile_peak_activation(model: torch.nn.Module, cfg: ModelConfig, num_tokens: int, max_model_len: int,
+                            max_num_seqs: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a full-budget step needs beyond the weights: one forward over num_tokens prompt tokens (in
+    sequences of at most max_model_len) plus logits and sampling for max_num_seqs rows."""
+    lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
+    blocks_per = [-(-n // block_size) for n in lens]
+    runner = ModelRunner(model, cfg, block_size, sum(blocks_per), dtype, device)
+    table = torch.zeros(len(lens), max(blocks_per), dtype=torch.long)
+    start = 0
+    for i, nb in enumerate(blocks_per):
+        table[i, :nb] = torch.arange(start, start + nb)
+        start += nb
+    pos = torch.cat([torch.arange(n) for n in lens])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    md = AttentionMetadata((table[seq, pos // block_size] * block_size + pos % block_size).to(device),
+                           table.to(device), torch.tensor(lens, device=device), 0,
+                           torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), pos.to(device), md)
+    rows = min(max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[:rows])
+    torch.multinomial(logits.softmax(-1), 1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for attn in model.attention_layers():
+        attn.k_cache = attn.v_cache = torch.empty(0)
+    del runner, hidden, logits
+    torch.cuda.empty_cache()
+    return peak

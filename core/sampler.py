@@ -2,7 +2,7 @@
 
 Processing order: logit_bias, min_tokens (stop tokens masked), repetition penalty over prompt and output
 tokens (positive logits divided, negative multiplied), frequency and presence penalties over output
-tokens, then greedy argmax (temperature 0) or temperature, top_k, top_p, min_p and a draw. A request with
+tokens, then greedy argmax (temperature 0) or temperature, top_k, top_p, min_p and a multinomial draw. A request with
 a seed draws from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the log-softmax of the raw model logits (before any processing).
 """
@@ -105,13 +105,17 @@ class Sampler:
                 torch.tensor([sp.min_p for sp in params], device=logits.device, dtype=logits.dtype),
             )
             probs = scaled.softmax(-1)
-            # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one draw per row from its generator.
-            noise = torch.ones_like(probs)
+            # One draw per row from its request's generator when seeded (batch-independent), the rest
+            # in one call on the engine's generator.
+            sampled = torch.zeros_like(tokens)
             glob = self._global_generator(logits.device)
+            free = [i for i, r in enumerate(reqs) if not params[i].greedy and r.generator is None]
+            if free:
+                idx = torch.tensor(free, device=logits.device)
+                sampled[idx] = torch.multinomial(probs[idx], 1, generator=glob).squeeze(1)
             for i, req in enumerate(reqs):
-                if not params[i].greedy:
-                    noise[i].exponential_(generator=req.generator or glob)
-            sampled = (probs / noise).argmax(dim=-1)
+                if not params[i].greedy and req.generator is not None:
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=req.generator)[0]
             tokens = torch.where(greedy, tokens, sampled)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, params))

@@ -25,7 +25,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     """The first n cached tokens of one sequence: [n, kvh, d]."""
     bs = cache.shape[1]
     nb = -(-n // bs)
-    return cache[block_table[:nb]].flatten(0, 1)[:n]
+    return cache.index_select(0, block_table[:nb]).flatten(0, 1)[:n]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -36,9 +36,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_len = int(context_lens.max())
     bs = k_cache.shape[1]
     nb = -(-max_len // bs)
-    bt = block_tables[:, :nb]
-    k = k_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
-    v = v_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    bt = block_tables[:, :nb].flatten()  # index_select: ~2x faster than advanced indexing on CPU
+    k = k_cache.index_select(0, bt).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
+    v = v_cache.index_select(0, bt).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=k.shape[1] != H)

@@ -7,11 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vserve.kernels.paged_attention import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kvcache_ref,
-)
+from vserve.kernels import for_device
 
 
 @dataclass
@@ -34,15 +30,16 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q [T, H, d], k/v [T, kvh, d] -> [T, H, d]."""
-        store_kvcache_ref(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        ops = for_device(q)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         nd = md.num_decodes
         if nd == q.shape[0]:
-            return paged_decode_attention_ref(q, self.k_cache, self.v_cache, md.block_tables,
-                                              md.context_lens, self.scale)
+            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, md.block_tables, md.context_lens,
+                                              self.scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = paged_decode_attention_ref(q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd],
+            out[:nd] = ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, md.block_tables[:nd],
                                                   md.context_lens[:nd], self.scale)
-        out[nd:] = paged_prefill_attention_ref(q[nd:], self.k_cache, self.v_cache, md.cu_seqlens_q,
+        out[nd:] = ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, md.cu_seqlens_q,
                                                md.context_lens[nd:], md.block_tables[nd:], self.scale)
         return out

@@ -1,9 +1,11 @@
-"""RMSNorm, with the residual add fused in when a residual is passed."""
+"""RMSNorm, with the residual add fused in when a residual is passed (kernels: rms_norm, fused_add_rms_norm)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vserve.kernels import for_device
 
 
 class RMSNorm(nn.Module):
@@ -12,14 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = for_device(x)
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -11,6 +11,7 @@ from vserve.core.layers.linear import Linear
 from vserve.core.layers.norm import RMSNorm
 from vserve.core.layers.rotary import RotaryEmbedding
 from vserve.core.model_config import ModelConfig
+from vserve.kernels import for_device
 
 
 class LlamaAttention(nn.Module):
@@ -47,8 +48,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(for_device(x).silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,238 @@
+"""One-call GPU benchmark and correctness run for the engine (issue: GPU engine). Run on the H200:
+
+    python benchmarks/h200_engine.py --out $OUT [--sections correct,throughput,bs1,small,startup] [--hf-peer]
+
+Builds random-weight models from hand-written configs (the Llama-3-8B shape and small shapes), runs vserve
+and, where asked, HF transformers on the same prompts in the same process, and prints a short table last
+(full JSON in OUT/h200_engine.json). Not part of the CPU test suite: it needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BW = 4.27e12  # measured device-to-device copy, bytes/s (../shared/GPU.md)
+PEAK = 800e12  # measured bf16 matmul, FLOP/s
+
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                 intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                 bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
+SMOLLM2 = dict(LLAMA3_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2)
+QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=896,
+                  intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151643, torch_dtype="bfloat16")
+
+
+def model_dir(cfg: dict) -> str:
+    d = Path(tempfile.mkdtemp(prefix="vserve-shape-"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def workload(n: int, seed: int, vocab: int, out_len: tuple[int, int], in_len=(100, 1024)):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(*in_len))] for _ in range(n)]
+    outs = [rng.randint(*out_len) for _ in range(n)]
+    return prompts, outs
+
+
+class ScheduleRecorder:
+    """Wraps the runner to record each step's shape, for the roofline bound of the run."""
+
+    def __init__(self, runner) -> None:
+        self.steps: list[tuple[int, int, int]] = []  # (tokens, decode rows, context tokens read by decodes)
+        self.prefill_ctx: list[tuple[int, int]] = []  # (query tokens, context tokens) per prefill chunk
+        self._orig = runner.execute
+        runner.execute = self
+
+    def __call__(self, sched, block_ids):
+        dec = ctx = 0
+        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+            if n == 1:
+                dec += 1
+                ctx += req.num_computed_tokens + 1
+            else:
+                self.prefill_ctx.append((n, req.num_computed_tokens + n))
+        self.steps.append((sched.total_tokens, dec, ctx))
+        return self._orig(sched, block_ids)
+
+
+def roofline_seconds(cfg: dict, rec: ScheduleRecorder) -> float:
+    h, L, inter, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kvh = cfg["num_key_value_heads"]
+    lin_params = L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter)
+    weight_bytes = 2 * (lin_params + V * h)
+    kv_per_token = 2 * L * kvh * hd * 2
+    t = 0.0
+    for tokens, dec, ctx in rec.steps:
+        flops = 2 * lin_params * tokens + 2 * V * h * dec
+        t += max(weight_bytes / BW, flops / PEAK) + kv_per_token * ctx / BW
+    for q, c in rec.prefill_ctx:  # attention FLOPs of prefill chunks (causal: about q * c)
+        t += 4 * cfg["num_attention_heads"] * hd * q * c / PEAK
+    return t
+
+
+def run_vserve(cfg: dict, prompts, outs, **engine_args):
+    from vserve import LLM, SamplingParams
+
+    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", **engine_args)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    rec = ScheduleRecorder(llm.llm_engine.runner)
+    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True, seed=i)
+           for i, o in enumerate(outs)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, sps, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(r.outputs[0].token_ids) for r in res)
+    assert n_out == sum(outs), (n_out, sum(outs))
+    bound = roofline_seconds(cfg, rec)
+    stats = llm.llm_engine.stats()
+    result = dict(seconds=dt, output_tokens=n_out, output_tok_s=n_out / dt, bound_s=bound,
+                  bound_tok_s=n_out / bound, frac_of_bound=bound / dt, steps=len(rec.steps),
+                  preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
+                  memory_plan=llm.llm_engine.memory_plan.as_dict(),
+                  torch_max_allocated=torch.cuda.max_memory_allocated())
+    del llm
+    torch.cuda.empty_cache()
+    return result
+
+
+def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1)  # eos disabled
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(o.generated_tokens) for o in out.values())
+    del model
+    torch.cuda.empty_cache()
+    return dict(seconds=dt, output_tokens=n, output_tok_s=n / dt)
+
+
+def section_correct(results: dict) -> None:
+    """Greedy vserve vs HF transformers on the same random 8B-shape weights, bf16, 32 tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from vserve import LLM, SamplingParams
+    from vserve.core.loader import load_weights
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type",
+                                                                              "torch_dtype")})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    llm = LLM(model_dir(LLAMA3_8B), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=2048, enforce_eager=False)
+    load_weights(llm.llm_engine.model, hf.named_parameters())
+    prompts, _ = workload(4, 1, LLAMA3_8B["vocab_size"], (32, 32), in_len=(20, 200))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
+                                                                                 ignore_eos=True), use_tqdm=False)]
+    rows = []
+    with torch.inference_mode():
+        for p, g in zip(prompts, got):
+            ids = torch.tensor([p], device="cuda")
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            div = next((i for i in range(32) if ref[i] != g[i]), None)
+            gap = None
+            if div is not None:  # the HF logit gap between the two candidates at the divergence
+                logits = hf(torch.tensor([p + ref[:div]], device="cuda")).logits[0, -1].float()
+                gap = float(logits[ref[div]] - logits[g[div]])
+            rows.append(dict(prompt_len=len(p), equal=div is None, first_divergence=div, hf_logit_gap=gap))
+    results["correct_8b_vs_hf"] = rows
+    del hf, llm
+    torch.cuda.empty_cache()
+
+
+def section_throughput(results: dict, hf_peer: bool) -> None:
+    V = LLAMA3_8B["vocab_size"]
+    p, o = workload(256, 0, V, (100, 1024))
+    results["8b_out_u100_1024"] = run_vserve(LLAMA3_8B, p, o, max_num_seqs=256, enforce_eager=False)
+    o512 = [512] * len(p)
+    results["8b_out_512"] = run_vserve(LLAMA3_8B, p, o512, max_num_seqs=256, enforce_eager=False)
+    if hf_peer:
+        results["8b_out_512_hf_generate_batch"] = hf_generate_batch(LLAMA3_8B, p, 512)
+
+
+def section_bs1(results: dict) -> None:
+    p, _ = workload(1, 3, LLAMA3_8B["vocab_size"], (512, 512), in_len=(128, 128))
+    results["8b_bs1_in128_out512"] = run_vserve(LLAMA3_8B, p, [512], max_num_seqs=8, enforce_eager=False)
+
+
+def section_small(results: dict) -> None:
+    for name, cfg in (("smollm2_shape", SMOLLM2), ("qwen2.5_0.5b_shape", QWEN25_05B)):
+        p, _ = workload(256, 0, cfg["vocab_size"], (512, 512))
+        results[f"{name}_out_512"] = run_vserve(cfg, p, [512] * 256, max_num_seqs=256, enforce_eager=False)
+
+
+STARTUP = """
+import time, sys
+t0 = float(sys.argv[2])
+from vserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=256)
+out = llm.generate([[5] * 16], SamplingParams(max_tokens=1), use_tqdm=False)
+print("FIRST_TOKEN_S", time.time() - t0)
+"""
+
+
+def section_startup(results: dict) -> None:
+    d = model_dir(LLAMA3_8B)
+    cache = tempfile.mkdtemp(prefix="triton-cache-")
+    for label in ("empty_triton_cache", "warm_triton_cache"):
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "VSERVE_NO_PROGRESS": "1"}
+        r = subprocess.run([sys.executable, "-c", STARTUP, d, str(time.time())], env=env, capture_output=True,
+                           text=True, timeout=300)
+        line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_TOKEN_S")]
+        results[f"startup_8b_{label}_s"] = float(line[0].split()[1]) if line else r.stderr[-2000:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sections", default="correct,throughput,bs1,small,startup")
+    ap.add_argument("--hf-peer", action="store_true")
+    args = ap.parse_args()
+    results: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    out = Path(args.out)
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            if name == "throughput":
+                section_throughput(results, args.hf_peer)
+            else:
+                globals()[f"section_{name}"](results)
+        except Exception as e:  # keep the other sections' numbers
+            import traceback
+
+            results[f"{name}_error"] = traceback.format_exc()[-3000:]
+            print(f"section {name} failed: {e!r}", flush=True)
+        results[f"{name}_section_s"] = time.perf_counter() - t0
+        (out / "h200_engine.json").write_text(json.dumps(results, indent=2, default=str))
+    print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

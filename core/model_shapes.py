@@ -1,0 +1,90 @@
+"""Model shapes for planning: a ModelConfig from any Llama-like config.json (MoE included) or a well-known name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from vserve.core.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+# Planned but not served (yet): their dense part is Llama-like, the MoE part is read from the raw config.
+PLANNING_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                          "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert
+
+
+def _llama(vocab, hidden, inter, layers, heads, kv, ctx, arch="LlamaForCausalLM", **extra) -> dict:
+    return {"architectures": [arch], "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "max_position_embeddings": ctx, "torch_dtype": "bfloat16", **extra}
+
+
+# config.json fields of published checkpoints (the shapes the seeds and the profiles talk about).
+KNOWN_SHAPES: dict[str, dict] = {
+    "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, 8192, tie_word_embeddings=True),
+    "llama-2-7b": _llama(32000, 4096, 11008, 32, 32, 32, 4096, torch_dtype="float16"),
+    "llama-2-13b": _llama(32000, 5120, 13824, 40, 40, 40, 4096, torch_dtype="float16"),
+    "llama-2-70b": _llama(32000, 8192, 28672, 80, 64, 8, 4096, torch_dtype="float16"),
+    "llama-3.1-8b": _llama(128256, 4096, 14336, 32, 32, 8, 131072, rope_theta=500000.0),
+    "llama-3.1-70b": _llama(128256, 8192, 28672, 80, 64, 8, 131072, rope_theta=500000.0),
+    "mistral-7b": _llama(32768, 4096, 14336, 32, 32, 8, 32768, "MistralForCausalLM", rope_theta=1e6),
+    "qwen2.5-7b": _llama(152064, 3584, 18944, 28, 28, 4, 32768, "Qwen2ForCausalLM"),
+    "qwen2.5-14b": _llama(152064, 5120, 13824, 48, 40, 8, 32768, "Qwen2ForCausalLM"),
+    "qwen2.5-32b": _llama(152064, 5120, 27648, 64, 40, 8, 32768, "Qwen2ForCausalLM"),
+    "qwen2.5-72b": _llama(152064, 8192, 29568, 80, 64, 8, 32768, "Qwen2ForCausalLM"),
+    "qwen3-8b": _llama(151936, 4096, 12288, 36, 32, 8, 40960, "Qwen3ForCausalLM", head_dim=128),
+    "yi-34b": _llama(64000, 7168, 20480, 60, 56, 8, 4096),
+    "mixtral-8x7b": _llama(32000, 4096, 14336, 32, 32, 8, 32768, "MixtralForCausalLM", num_local_experts=8,
+                           num_experts_per_tok=2, rope_theta=1e6),
+}
+
+
+def planning_config(cfg: dict) -> ModelConfig:
+    """A ModelConfig for planning: what ModelConfig.from_dict serves, plus the PLANNING_ARCHITECTURES."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in PLANNING_ARCHITECTURES), None)
+    if arch is None or arch in SUPPORTED_ARCHITECTURES:
+        return ModelConfig.from_dict(cfg)
+    return replace(ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]}), architecture=arch,
+                   raw=cfg)
+
+
+def known_shape(name: str) -> ModelConfig:
+    if name not in KNOWN_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(KNOWN_SHAPES)}")
+    return planning_config(KNOWN_SHAPES[name])
+
+
+def read_model_config(model: str | Path) -> ModelConfig:
+    """A model folder, a config.json file, or a KNOWN_SHAPES name (GGUF files: see core/doctor.py)."""
+    if isinstance(model, str) and model in KNOWN_SHAPES:
+        return known_shape(model)
+    p = Path(model)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.exists():
+        raise ValueError(f"model {str(model)!r} is not a folder with config.json, a config.json file or a known "
+                         f"shape ({', '.join(KNOWN_SHAPES)})")
+    try:
+        return planning_config(json.loads(file.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    except KeyError as e:
+        raise ValueError(f"{file} lacks the field {e.args[0]!r}") from None
+
+
+def moe_shape(m: ModelConfig) -> MoEShape | None:
+    raw = m.raw
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
+    if not experts:
+        return None
+    return MoEShape(num_experts=int(experts), top_k=int(raw.get("num_experts_per_tok") or 2),
+                    intermediate_size=int(raw.get("moe_intermediate_size") or m.intermediate_size),
+                    shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))

@@ -1,0 +1,460 @@
+"""GPU check: the Triton kernels against their references in bf16/fp16 on real-model shapes, plus a microbenchmark.
+
+    python -m vserve.kernels.gpu_check --out gpu_check.md [--sweep] [--skip-bench]
+
+Correctness is measured against the reference run in float32 on the same (low-precision) inputs; the column
+"torch err" is the reference's own error when run in the low dtype, for scale. Decode is reported as GB/s of KV
+read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash backend and
+torch.nn.attention.varlen.varlen_attn when the installed torch has it. ``--tiny`` shrinks every shape so the
+script itself can be smoke-tested on a CPU under TRITON_INTERPRET=1 (its timings then mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+PEAK_TBPS = 4.27  # device-to-device copy rate measured on this workplace's H200s (datasheet: 4.8)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+MODELS = {
+    "llama3-8b": ModelShape(32, 8, 128, 4096, 14336),
+    "smollm2-135m": ModelShape(9, 3, 64, 576, 1536),
+}
+TINY_MODELS = {"tiny-gqa4": ModelShape(4, 1, 64, 128, 192), "tiny-gqa3": ModelShape(3, 1, 64, 96, 160)}
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}  # atol, rtol against the fp32 reference
+
+
+@dataclass
+class CheckRow:
+    kernel: str
+    case: str
+    dtype: str
+    err: float  # max abs error against the float32 reference
+    ok: bool
+    tol: str = "-"
+    torch_err: float | None = None  # the reference's own max abs error in the low dtype
+
+    def cells(self) -> list[str]:
+        torch_err = "-" if self.torch_err is None else f"{self.torch_err:.2e}"
+        return [self.kernel, self.case, self.dtype, f"{self.err:.2e}", torch_err, self.tol,
+                "PASS" if self.ok and not math.isnan(self.err) else "FAIL"]
+
+
+CHECK_HEADER = ["kernel", "case", "dtype", "max abs err", "torch err", "tol", "result"]
+
+
+@dataclass
+class BenchRow:
+    kernel: str
+    case: str
+    impl: str
+    ms: float | None
+    rate: float | None  # GB/s for decode, TFLOP/s for prefill
+    unit: str
+    note: str = ""
+
+    def cells(self, base: float | None = None) -> list[str]:
+        if self.ms is None:
+            return [self.kernel, self.case, self.impl, "-", "-", "-", self.note]
+        if self.unit == "GB/s":
+            rel = f"{self.rate / (PEAK_TBPS * 1e3):.0%} of {PEAK_TBPS} TB/s"
+        else:
+            rel = f"{self.rate / base:.2f}x best torch" if base else "-"
+        return [self.kernel, self.case, self.impl, f"{self.ms:.3f}", f"{self.rate:.1f} {self.unit}", rel, self.note]
+
+
+BENCH_HEADER = ["kernel", "case", "impl", "ms", "rate", "relative", "note"]
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vserve.kernels.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the report as markdown to this path")
+    p.add_argument("--dtypes", default="bfloat16,float16", help="comma-separated, of bfloat16, float16")
+    p.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    p.add_argument("--skip-bench", action="store_true", help="correctness only")
+    p.add_argument("--sweep", action="store_true", help="also time a small grid of launch parameters")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, to smoke-test the script (e.g. on a CPU)")
+    p.add_argument("--device", default="cuda")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+
+
+def _paged(ctx: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype, dev: str):
+    """Caches with each sequence's blocks scattered over the pool; block table padding points at real blocks."""
+    nblocks = [-(-n // bs) for n in ctx]
+    num_blocks = sum(nblocks) + 1
+    k_cache = torch.randn(num_blocks, bs, kvh, d, dtype=dtype, device=dev)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, dtype=dtype, device=dev)
+    bt = torch.randint(0, num_blocks, (len(ctx), max(nblocks)), dtype=torch.int32, device=dev)
+    perm = torch.randperm(num_blocks, device=dev).int()
+    used = 0
+    for b, nb in enumerate(nblocks):
+        bt[b, :nb] = perm[used:used + nb]
+        used += nb
+    return k_cache, v_cache, bt, torch.tensor(ctx, dtype=torch.int32, device=dev)
+
+
+def _cu(qlens: list[int], dev: str) -> torch.Tensor:
+    return torch.tensor([0] + [sum(qlens[:i + 1]) for i in range(len(qlens))], dtype=torch.int32, device=dev)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _attn_row(kernel, case, dtype, out, ref32, ref_low) -> CheckRow:
+    atol, rtol = TOL[dtype]
+    ok = bool(torch.allclose(out.float(), ref32, atol=atol, rtol=rtol))
+    return CheckRow(kernel, case, str(dtype).removeprefix("torch."), _err(out, ref32), ok,
+                    f"{atol:.0e} + {rtol:.1e}·abs(ref)", _err(ref_low, ref32))
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
+    from vserve.kernels import paged_attention as ref
+    from vserve.kernels import triton_attention as tri
+
+    rows = []
+    H, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
+    scale = d**-0.5
+    B, max_ctx = (3, 90) if tiny else (64, 4096)
+    for bs in (16, 64, 256):
+        case = f"{name} bs={bs}"
+        # store: a step's tokens into scattered slots, a quarter of them padding (-1)
+        T = 40 if tiny else 4096
+        k_cache = torch.randn(-(-T // bs) * 2, bs, kvh, d, dtype=dtype, device=dev)
+        v_cache = torch.randn_like(k_cache)
+        slots = torch.randperm(k_cache.shape[0] * bs, device=dev)[:T]
+        slots[torch.rand(T, device=dev) < 0.25] = -1
+        k, v = torch.randn(T, kvh, d, dtype=dtype, device=dev), torch.randn(T, kvh, d, dtype=dtype, device=dev)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        tri.store_kvcache(k, v, kc, vc, slots)
+        ref.store_kvcache_ref(k, v, k_cache, v_cache, slots)
+        err = max(_err(kc, k_cache), _err(vc, v_cache))
+        rows.append(CheckRow("store_kvcache", case + f" T={T}", str(dtype).removeprefix("torch."), err, err == 0,
+                             "exact"))
+
+        # decode: B sequences, random context lengths up to max_ctx (the extremes included)
+        ctx = torch.randint(1, max_ctx + 1, (B,)).tolist()
+        ctx[0], ctx[-1] = 1, max_ctx
+        k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
+        q = torch.randn(B, H, d, dtype=dtype, device=dev)
+        out = tri.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, scale)
+        r32 = ref.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, ctx_lens, scale)
+        rlow = ref.paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, scale)
+        rows.append(_attn_row("decode", case + f" B={B} ctx<={max_ctx}", dtype, out, r32, rlow))
+        del k_cache, v_cache, r32, rlow
+
+        # prefill: whole prompts and chunks after a cached prefix, mixed lengths
+        seqs = ([(90, 90), (80, 7), (1, 1), (50, 33)] if tiny else
+                [(4096, 4096), (4096, 512), (1024, 1024), (3000, 1), (777, 300), (2048, 2048), (129, 129)])
+        k_cache, v_cache, bt, ctx_lens = _paged([c for c, _ in seqs], bs, kvh, d, dtype, dev)
+        cu = _cu([n for _, n in seqs], dev)
+        q = torch.randn(int(cu[-1]), H, d, dtype=dtype, device=dev)
+        out = tri.paged_prefill_attention(q, k_cache, v_cache, cu, ctx_lens, bt, scale)
+        r32 = ref.paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu, ctx_lens, bt, scale)
+        rlow = ref.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx_lens, bt, scale)
+        rows.append(_attn_row("prefill", case + f" {len(seqs)} seqs T={int(cu[-1])}", dtype, out, r32, rlow))
+    return rows
+
+
+def check_ops(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
+    from vserve.kernels import ops_ref
+    from vserve.kernels import triton_ops as tri
+
+    T = 33 if tiny else 4096
+    dt = str(dtype).removeprefix("torch.")
+    atol, rtol = TOL[dtype]
+    tol = f"{atol:.0e} + {rtol:.1e}·abs(ref)"
+
+    def row(kernel, out, expected, low=None):
+        ok = bool(torch.allclose(out.float(), expected.float(), atol=atol, rtol=rtol))
+        return CheckRow(kernel, f"{name} T={T}", dt, _err(out, expected), ok, tol,
+                        None if low is None else _err(low, expected))
+
+    x = torch.randn(T, m.hidden, dtype=dtype, device=dev)
+    res = torch.randn(T, m.hidden, dtype=dtype, device=dev)
+    w = (1 + 0.1 * torch.randn(m.hidden, device=dev)).to(dtype)
+    normed, new_res = tri.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_res = ops_ref.fused_add_rms_norm_ref(x, res, w, 1e-5)
+    rows = [row("rms_norm", tri.rms_norm(x, w, 1e-5), ops_ref.rms_norm_ref(x, w, 1e-5)),
+            row("fused_add_rms_norm", torch.cat([normed, new_res]), torch.cat([ref_normed, ref_res]))]
+    g = torch.randn(T, 2 * m.intermediate, dtype=dtype, device=dev)
+    rows.append(row("silu_and_mul", tri.silu_and_mul(g), ops_ref.silu_and_mul_ref(g)))
+    half = m.head_dim // 2
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, half, device=dev).float() / half))
+    freqs = torch.outer(torch.arange(8192, device=dev).float(), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    qkv = torch.randn(T, m.num_heads + 2 * m.num_kv_heads, m.head_dim, dtype=dtype, device=dev)
+    q, k = qkv[:, :m.num_heads], qkv[:, m.num_heads:m.num_heads + m.num_kv_heads]
+    pos = torch.randint(0, 8192, (T,), device=dev)
+    qo, ko = tri.rotary_embedding(pos, q, k, cos, sin)
+    qr, kr = ops_ref.rotary_embedding_ref(pos, q, k, cos, sin)
+    rows.append(row("rotary_embedding", torch.cat([qo.flatten(1), ko.flatten(1)], 1),
+                    torch.cat([qr.flatten(1), kr.flatten(1)], 1)))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+def time_ms(fn: Callable[[], object], dev: str, graph: bool = True, iters: int = 20) -> tuple[float, bool]:
+    """(ms per call, whether it ran as a CUDA graph): CUDA events around replays of a graph of `iters` calls (how
+    the engine runs decode steps, free of Python launch overhead), or around `iters` eager calls when graph is
+    False or capture fails."""
+    if not dev.startswith("cuda"):
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3, False
+    for _ in range(3):  # compile and warm up
+        fn()
+    torch.cuda.synchronize()
+
+    def eager() -> None:
+        for _ in range(iters):
+            fn()
+
+    run, graphed = eager, False
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                eager()
+            run, graphed = g.replay, True
+        except Exception:  # not capturable: time it eagerly
+            torch.cuda.synchronize()
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (reps * iters), graphed
+
+
+def _varlen_attn():
+    """torch's varlen_attn and the keyword arguments this torch's version takes, or (None, set())."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    import inspect
+
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _short(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def _timed(rows: list[BenchRow], kernel: str, case: str, impl: str, fn: Callable[[], object], work: float,
+           unit: str, dev: str, graph: bool = True) -> None:
+    """Time fn and append a row; work is bytes (GB/s) or FLOPs (TFLOP/s). A failure becomes a row's note."""
+    try:
+        ms, graphed = time_ms(fn, dev, graph)
+        rows.append(BenchRow(kernel, case, impl, ms, work / ms / (1e6 if unit == "GB/s" else 1e9), unit,
+                             "cuda graph" if graphed else "eager"))
+    except Exception as e:  # a launch config that does not fit, or a baseline the installed torch lacks
+        rows.append(BenchRow(kernel, case, impl, None, None, unit, _short(e)))
+
+
+def bench_decode(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool, sweep: bool) -> list[BenchRow]:
+    from vserve.kernels import triton_attention as tri
+
+    rows: list[BenchRow] = []
+    H, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
+    ctx_len = 96 if tiny else 4096
+    varlen, varlen_args = _varlen_attn()
+    for B in (2,) if tiny else (8, 64):
+        for bs in (16, 64, 256):
+            k_cache, v_cache, bt, ctx_lens = _paged([ctx_len] * B, bs, kvh, d, dtype, dev)
+            q = torch.randn(B, H, d, dtype=dtype, device=dev)
+            nbytes = 2 * B * ctx_len * kvh * d * k_cache.element_size()
+            case = f"{name} B={B} ctx={ctx_len} bs={bs}"
+            configs = [{}]
+            if sweep and bs == 16:
+                configs += [dict(partition_size=p, block_n=n, num_warps=w) for p in (256, 512, 1024)
+                            for n in (32, 64, 128) for w in (4, 8)]
+            for cfg in configs:
+                fn = partial(tri.paged_decode_attention, q, k_cache, v_cache, bt, ctx_lens, d**-0.5,
+                             out=torch.empty_like(q), **cfg)
+                _timed(rows, "decode", case, f"triton {cfg or '(default)'}", fn, nbytes, "GB/s", dev)
+                if not cfg:  # the same call launched from Python: the launch overhead a graph removes
+                    _timed(rows, "decode", case, "triton (default)", fn, nbytes, "GB/s", dev, graph=False)
+            if {"block_table", "seqused_k", "enable_gqa"} <= varlen_args:
+                cu_q = torch.arange(B + 1, dtype=torch.int32, device=dev)
+                fn = partial(varlen, q, k_cache, v_cache, cu_q, cu_q * ctx_len, 1, ctx_len, scale=d**-0.5,
+                             enable_gqa=kvh != H, seqused_k=ctx_lens, block_table=bt)
+                _timed(rows, "decode", case, "varlen_attn paged", fn, nbytes, "GB/s", dev)
+            elif varlen is not None:
+                rows.append(BenchRow("decode", case, "varlen_attn paged", None, None, "GB/s",
+                                     "this torch's varlen_attn takes no block_table"))
+    return rows
+
+
+def _sdpa_flash(q, k, v, scale, enable_gqa):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+
+
+def bench_prefill(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool,
+                  sweep: bool) -> list[tuple[BenchRow, float | None]]:
+    """Rows paired with the best torch baseline's TFLOP/s on the same case."""
+    from vserve.kernels import triton_attention as tri
+
+    out_rows = []
+    H, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
+    scale, gqa = d**-0.5, kvh != H
+    varlen, varlen_args = _varlen_attn()
+    shapes = ({"2x64 causal": [(64, 64)] * 2, "2x16 after 48 cached": [(64, 16)] * 2} if tiny else
+              {"8x1024 causal": [(1024, 1024)] * 8, "2x4096 causal": [(4096, 4096)] * 2,
+               "8x512 after 3584 cached": [(4096, 512)] * 8})
+    for label, seqs in shapes.items():
+        rows: list[BenchRow] = []
+        ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
+        flops = 4 * d * H * sum(sum(range(c - n + 1, c + 1)) for c, n in seqs)
+        case = f"{name} {label}"
+        cu_q, cu_k = _cu(qlens, dev), _cu(ctx, dev)
+        q = torch.randn(sum(qlens), H, d, dtype=dtype, device=dev)
+        k = torch.randn(sum(ctx), kvh, d, dtype=dtype, device=dev)  # contiguous packed, for the torch baselines
+        v = torch.randn_like(k)
+        for bs in (16, 256):
+            k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
+            configs = [{}]
+            if sweep and bs == 16 and label.startswith("2x4096"):
+                configs += [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm in (32, 64, 128)
+                            for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+            for cfg in configs:
+                fn = partial(tri.paged_prefill_attention, q, k_cache, v_cache, cu_q, ctx_lens, bt, scale,
+                             out=torch.empty_like(q), **cfg)
+                _timed(rows, "prefill", case, f"triton bs={bs} {cfg or '(default)'}", fn, flops, "TFLOP/s", dev)
+            if {"block_table", "seqused_k", "enable_gqa"} <= varlen_args and bs == 256:
+                fn = partial(varlen, q, k_cache, v_cache, cu_q, cu_k, max(qlens), max(ctx), scale=scale,
+                             window_size=(-1, 0), enable_gqa=gqa, seqused_k=ctx_lens, block_table=bt)
+                _timed(rows, "prefill", case, "varlen_attn paged bs=256", fn, flops, "TFLOP/s", dev)
+        if varlen is not None:
+            if "enable_gqa" in varlen_args:
+                fn = partial(varlen, q, k, v, cu_q, cu_k, max(qlens), max(ctx), scale=scale, window_size=(-1, 0),
+                             enable_gqa=gqa)
+                impl = "varlen_attn"
+            else:  # an older varlen_attn: no GQA, so the kv heads are repeated (outside the timing)
+                kr, vr = k.repeat_interleave(H // kvh, 1), v.repeat_interleave(H // kvh, 1)
+                kw = {"window_size": (-1, 0)} if "window_size" in varlen_args else {"is_causal": True}
+                fn = partial(varlen, q, kr, vr, cu_q, cu_k, max(qlens), max(ctx), scale=scale, **kw)
+                impl = "varlen_attn (kv repeated)"
+            _timed(rows, "prefill", case, impl, fn, flops, "TFLOP/s", dev)
+        if len(set(seqs)) == 1 and seqs[0][0] == seqs[0][1]:  # equal whole prompts: a dense causal batch
+            B, L = len(seqs), seqs[0][0]
+            qd = q.view(B, L, H, d).transpose(1, 2)
+            kd, vd = k.view(B, L, kvh, d).transpose(1, 2), v.view(B, L, kvh, d).transpose(1, 2)
+            _timed(rows, "prefill", case, "sdpa flash", partial(_sdpa_flash, qd, kd, vd, scale, gqa), flops,
+                   "TFLOP/s", dev)
+            ke, ve = kd.repeat_interleave(H // kvh, 1), vd.repeat_interleave(H // kvh, 1)
+            _timed(rows, "prefill", case, "sdpa flash (kv repeated)", partial(_sdpa_flash, qd, ke, ve, scale, False),
+                   flops, "TFLOP/s", dev)
+        base = max((r.rate for r in rows if r.rate and not r.impl.startswith("triton")), default=None)
+        out_rows += [(r, base) for r in rows]
+    return out_rows
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def _env(dev: str) -> str:
+    import triton
+
+    name = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu (interpreter)"
+    return f"device: {name}; torch {torch.__version__}; triton {triton.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); use --tiny --device cpu with "
+              "TRITON_INTERPRET=1 to smoke-test it", file=sys.stderr)
+        return 2
+    table = TINY_MODELS if args.tiny else MODELS
+    names = args.models.split(",") if args.models else list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        print(f"unknown model {unknown[0]!r} (known: {', '.join(table)})", file=sys.stderr)
+        return 2
+    dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
+    dev = args.device
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    report = [f"# vserve kernel check\n\n{_env(dev)}; torch.manual_seed({seed})\n"]
+
+    def flush(section: str) -> None:
+        report.append(section)
+        print(section, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(report) + "\n")
+
+    checks: list[CheckRow] = []
+    for name in names:
+        for dtype in dtypes:
+            for fn in (check_attention, check_ops):
+                try:
+                    checks += fn(name, table[name], dtype, dev, args.tiny)
+                except Exception as e:
+                    traceback.print_exc()
+                    checks.append(CheckRow(fn.__name__, name, str(dtype), float("nan"), False, _short(e)))
+    failed = sum(not (r.ok and not math.isnan(r.err)) for r in checks)
+    flush(f"## Correctness ({len(checks) - failed}/{len(checks)} pass)\n\n"
+          + format_table(CHECK_HEADER, [r.cells() for r in checks]) + "\n")
+    if not args.skip_bench:
+        dtype = dtypes[0]
+        rows = []
+        for name in names:
+            rows += [(r, None) for r in bench_decode(name, table[name], dtype, dev, args.tiny, args.sweep)]
+        flush(f"## Decode attention ({dtype}; GB/s of K+V read)\n\n"
+              + format_table(BENCH_HEADER, [r.cells(b) for r, b in rows]) + "\n")
+        rows = []
+        for name in names:
+            rows += bench_prefill(name, table[name], dtype, dev, args.tiny, args.sweep)
+        flush(f"## Prefill attention ({dtype}; causal TFLOP/s, 4·d·H per attended pair)\n\n"
+              + format_table(BENCH_HEADER, [r.cells(b) for r, b in rows]) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Triton kernels for the non-attention ops: RMSNorm (with the residual add fused in), SiLU-and-mul, RoPE.
+
+Each matches its reference in kernels/ops_ref.py (same signature, same rounding points, new output tensors;
+inputs are never written). Math is fp32 in registers; inputs fp16/bf16/fp32 with a contiguous last dim.
+Launch parameters are chosen by size and can be overridden by keyword for benchmarking.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, n] with a unit stride along n (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, stride_r, stride_o, stride_ro, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # rounded to the input dtype, as torch's x + residual is
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm(x, residual, weight, eps, num_warps):
+    n = x.shape[-1]
+    assert weight.shape == (n,), (weight.shape, n)
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    warps = num_warps or _row_warps(block)
+    if residual is None:
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight.contiguous(), out, out, n, x2.stride(0), 0, out.stride(0), 0,
+                                         eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+        return out.view(x.shape), None
+    r2 = _rows(residual)
+    new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), out, new_res, n, x2.stride(0), r2.stride(0),
+                                     out.stride(0), new_res.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block,
+                                     num_warps=warps)
+    return out.view(x.shape), new_res.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim (as rms_norm_ref); returns a new tensor."""
+    return _rms_norm(x, None, weight, eps, num_warps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass (as fused_add_rms_norm_ref); new tensors."""
+    assert x.shape == residual.shape, (x.shape, residual.shape)
+    return _rms_norm(x, residual, weight, eps, num_warps)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu is rounded to the input dtype before the product, as F.silu(gate) * up is
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """x [..., 2N] = [gate | up] -> silu(gate) * up [..., N] (as silu_and_mul_ref); a new tensor."""
+    n = x.shape[-1] // 2
+    assert x.shape[-1] == 2 * n, x.shape
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    block = min(block, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0), BLOCK=block,
+                                                               num_warps=num_warps)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, stride_h, stride_oh, num_heads, half, c, s, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (j < half)
+    x1 = tl.load(x_ptr + h * stride_h + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * stride_h + half + j, mask=mask, other=0.0).to(tl.float32)
+    dtype = o_ptr.dtype.element_ty
+    tl.store(o_ptr + h * stride_oh + j, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(o_ptr + h * stride_oh + half + j, (x2 * c + x1 * s).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos, stride_sin, H, KVH, half,
+                   BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H, half, c, s, BLOCK_H,
+                  BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, KVH, half, c, s, BLOCK_KVH,
+                  BLOCK_HALF)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, *, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE (as rotary_embedding_ref): q [T, H, d], k [T, kvh, d], cos/sin [max_pos, d/2], positions
+    [T] -> new rotated q, k (the inputs, often views of the packed qkv projection, are not written)."""
+    T, H, d = q.shape
+    kvh = k.shape[1]
+    half = d // 2
+    assert k.shape == (T, kvh, d) and cos.shape[-1] == half and sin.shape[-1] == half, (q.shape, k.shape, cos.shape)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                       device=k.device)
+    if T == 0:
+        return q_out, k_out
+    _rotary_kernel[(T,)](positions.contiguous(), q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1),
+                         k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
+                         k_out.stride(1), cos.stride(0), sin.stride(0), H, kvh, half, BLOCK_H=triton.next_power_of_2(H),
+                         BLOCK_KVH=triton.next_power_of_2(kvh), BLOCK_HALF=triton.next_power_of_2(half),
+                         num_warps=num_warps)
+    return q_out, k_out

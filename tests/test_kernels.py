@@ -1,0 +1,257 @@
+"""Triton kernels match their pure-torch references (run under the Triton interpreter on CPU)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vserve.kernels import ops_ref, triton_attention, triton_ops  # noqa: E402
+from vserve.kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kvcache_ref,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")  # interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter's tl.dot is wrong for bf16, so bf16 is checked on GPUs only (kernels/gpu_check.py)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed each run, named in every failure message so a failing draw can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    return s
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, seed: int, **kw) -> None:
+    torch.testing.assert_close(actual, expected.to(actual.dtype), **TOL[dtype], **kw,
+                               msg=lambda m: f"{m}\n(torch.manual_seed({seed}))")
+
+
+def _poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _paged_cache(ctx_lens: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype):
+    """Random caches with each sequence's blocks scattered over the pool; padding entries in the block table
+    point at other sequences' blocks (the kernels must ignore them)."""
+    nblocks = [-(-n // bs) for n in ctx_lens]
+    width = max(nblocks) + 1
+    num_blocks = sum(nblocks) + 2
+    k_cache = torch.randn(num_blocks, bs, kvh, d, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, dtype=dtype, device=DEVICE)
+    perm = torch.randperm(num_blocks, device=DEVICE)
+    block_tables = torch.randint(0, num_blocks, (len(ctx_lens), width), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, nb in enumerate(nblocks):
+        block_tables[b, :nb] = perm[used:used + nb].int()
+        used += nb
+    return k_cache, v_cache, block_tables, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+
+
+def _f32(*ts):
+    return [t.float() for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------------- store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs,kvh,d", [(16, 2, 64), (64, 3, 80)])
+def test_store_kvcache_writes_slots_and_skips_padding(seed, dtype, bs, kvh, d):
+    T, num_blocks = 37, 4
+    slots = torch.randperm(num_blocks * bs, device=DEVICE)[:T]
+    slots[torch.rand(T, device=DEVICE) < 0.3] = -1
+    slots[0] = -1
+    # k/v as views of a packed qkv projection: the token stride is not kvh * d
+    qkv = torch.randn(T, 2 * kvh + 2, d, dtype=dtype, device=DEVICE)
+    k, v = qkv[:, 2:2 + kvh], qkv[:, 2 + kvh:]
+    k_cache, v_cache = _poisoned((num_blocks, bs, kvh, d), dtype), _poisoned((num_blocks, bs, kvh, d), dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
+    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0, msg=lambda m: f"{m}\nseed={seed}")
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0, msg=lambda m: f"{m}\nseed={seed}")
+    assert int(k_cache.flatten(0, 1).isnan().all(-1).all(-1).sum()) == num_blocks * bs - int((slots >= 0).sum())
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+DECODE_CASES = [  # block size, kv heads, group size, head dim, dtype, partition size (None: the default)
+    (16, 2, 1, 64, torch.float32, 128),
+    (16, 2, 4, 64, torch.float16, None),
+    (16, 1, 3, 64, torch.float16, 64),
+    (64, 2, 4, 64, torch.float32, 128),
+    (64, 1, 3, 64, torch.float16, None),
+    (64, 2, 4, 96, torch.float32, 128),
+    (32, 1, 4, 80, torch.float16, 128),
+    (256, 1, 4, 64, torch.float16, 256),
+    (16, 2, 4, 128, torch.float16, 1024),
+]
+
+
+@pytest.mark.parametrize("bs,kvh,group,d,dtype,partition", DECODE_CASES)
+def test_decode_attention_matches_reference(seed, bs, kvh, group, d, dtype, partition):
+    ctx = [1, 17, int(torch.randint(100, 301, ()))]  # never all multiples of the block size
+    ctx[2] += ctx[2] % bs == 0
+    k_cache, v_cache, bt, ctx_lens = _paged_cache(ctx, bs, kvh, d, dtype)
+    H = kvh * group
+    q = torch.randn(len(ctx), H, d, dtype=dtype, device=DEVICE)
+    scale = d**-0.5
+    kw = {} if partition is None else dict(partition_size=partition)
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, scale,
+                                                  out=_poisoned(q.shape, dtype), **kw)
+    ref = paged_decode_attention_ref(*_f32(q, k_cache, v_cache), bt, ctx_lens, scale)
+    _close(out, ref, dtype, seed)
+
+
+def test_decode_attention_small_kv_tiles_and_many_partitions(seed):
+    k_cache, v_cache, bt, ctx_lens = _paged_cache([5, 250, 33], 16, 2, 64, torch.float32)
+    q = torch.randn(3, 4, 64, device=DEVICE)
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, 0.125, partition_size=32,
+                                                  block_n=16, out=_poisoned(q.shape, torch.float32))
+    _close(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, 0.125), torch.float32, seed)
+
+
+@pytest.mark.parametrize("partition", [64, 1024])
+def test_decode_row_with_empty_context_gives_zeros(seed, partition):
+    """CUDA-graph padding rows have context_len 0: they must come out finite (zeros), not NaN."""
+    k_cache, v_cache, bt, _ = _paged_cache([40, 40], 16, 1, 64, torch.float32)
+    ctx_lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, 64, device=DEVICE)
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, 0.125,
+                                                  partition_size=partition, out=_poisoned(q.shape, torch.float32))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    _close(out[:1], paged_decode_attention_ref(q[:1], k_cache, v_cache, bt[:1], ctx_lens[:1], 0.125),
+           torch.float32, seed)
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+
+PREFILL_CASES = [  # block size, kv heads, group size, head dim, dtype, (block_m, block_n) or None for the default
+    (16, 2, 1, 64, torch.float32, (32, 32)),
+    (16, 1, 4, 64, torch.float16, None),
+    (64, 2, 3, 64, torch.float16, (32, 16)),
+    (64, 1, 4, 64, torch.float32, (64, 32)),
+    (16, 1, 3, 96, torch.float16, (32, 32)),
+    (256, 1, 2, 64, torch.float16, (32, 64)),
+]
+
+
+@pytest.mark.parametrize("bs,kvh,group,d,dtype,blocks", PREFILL_CASES)
+def test_prefill_attention_matches_reference(seed, bs, kvh, group, d, dtype, blocks):
+    # (context_len, qlen): whole prompts (context_len == qlen) and chunks after a cached prefix, mixed lengths
+    r = int(torch.randint(0, 40, ()))
+    seqs = [(37 + r, 37 + r), (200 + r, 5), (1, 1), (130, 64 + r), (65 + r, 1), (20, 20)]
+    ctx = [c for c, _ in seqs]
+    k_cache, v_cache, bt, ctx_lens = _paged_cache(ctx, bs, kvh, d, dtype)
+    cu = torch.tensor([0] + [sum(n for _, n in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32,
+                      device=DEVICE)
+    H = kvh * group
+    q = torch.randn(int(cu[-1]), H, d, dtype=dtype, device=DEVICE)
+    scale = d**-0.5
+    kw = {} if blocks is None else dict(block_m=blocks[0], block_n=blocks[1])
+    out = triton_attention.paged_prefill_attention(q, k_cache, v_cache, cu, ctx_lens, bt, scale,
+                                                   out=_poisoned(q.shape, dtype), **kw)
+    ref = paged_prefill_attention_ref(*_f32(q, k_cache, v_cache), cu, ctx_lens, bt, scale)
+    _close(out, ref, dtype, seed)
+
+
+def test_prefill_chunks_agree_with_the_whole_prompt(seed):
+    """Chunked prefill (each chunk over the cache the earlier chunks wrote) gives the whole prompt's output."""
+    bs, kvh, d, n = 16, 2, 64, 90
+    k_cache, v_cache, bt, _ = _paged_cache([n], bs, kvh, d, torch.float32)
+    q = torch.randn(n, 4, d, device=DEVICE)
+    whole = triton_attention.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, n], device=DEVICE),
+                                                     torch.tensor([n], device=DEVICE), bt, 0.125, block_m=32,
+                                                     block_n=32)
+    parts = [triton_attention.paged_prefill_attention(q[s:e], k_cache, v_cache,
+                                                      torch.tensor([0, e - s], device=DEVICE),
+                                                      torch.tensor([e], device=DEVICE), bt, 0.125, block_m=32,
+                                                      block_n=32)
+             for s, e in [(0, 33), (33, 34), (34, 90)]]
+    _close(torch.cat(parts), whole, torch.float32, seed)
+
+
+# ---------------------------------------------------------------------------------------------------- other ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rms_norm_and_fused_add_match_reference(seed, dtype, hidden):
+    small = torch.tensor([1.0, 2e-3], device=DEVICE).repeat(4)[:7, None]  # rows where eps matters
+    x = (torch.randn(7, hidden, device=DEVICE) * small).to(dtype)
+    res = (torch.randn(7, hidden, device=DEVICE) * small).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    _close(triton_ops.rms_norm(x, w, 1e-6), ops_ref.rms_norm_ref(x, w, 1e-6), dtype, seed)
+    normed, new_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_res = ops_ref.fused_add_rms_norm_ref(x, res, w, 1e-5)
+    _close(new_res, ref_res, dtype, seed)
+    _close(normed, ref_normed, dtype, seed)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # out of place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(seed, dtype):
+    x = torch.randn(3, 5, 2 * 200, dtype=dtype, device=DEVICE)
+    out = triton_ops.silu_and_mul(x, block=64)
+    assert out.shape == (3, 5, 200)
+    _close(out, ops_ref.silu_and_mul_ref(x), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,kvh,d", [(4, 2, 64), (3, 1, 96)])
+def test_rotary_embedding_matches_reference(seed, dtype, H, kvh, d):
+    from vserve.core.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(d, 512, 10000.0).to(DEVICE)
+    T = 9
+    qkv = torch.randn(T, H + 2 * kvh, d, dtype=dtype, device=DEVICE)
+    q, k = qkv[:, :H], qkv[:, H:H + kvh]  # views with the packed projection's strides
+    q0, k0 = q.clone(), k.clone()
+    positions = torch.randint(0, 512, (T,), device=DEVICE)
+    qo, ko = triton_ops.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    qr, kr = ops_ref.rotary_embedding_ref(positions, q, k, rope.cos, rope.sin)
+    _close(qo, qr, dtype, seed)
+    _close(ko, kr, dtype, seed)
+    qm, km = rope(positions, q, k)  # the model layer agrees with the reference
+    _close(qr, qm, dtype, seed)
+    _close(kr, km, dtype, seed)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+# ---------------------------------------------------------------------------------------------------- gpu_check
+
+
+def test_gpu_check_parses_arguments_and_formats_markdown():
+    from vserve.kernels import gpu_check
+
+    args = gpu_check.parse_args(["--out", "report.md", "--skip-bench"])
+    assert args.out == "report.md" and args.skip_bench and not args.sweep
+    rows = [gpu_check.CheckRow("decode", "llama3-8b bs=16", "bfloat16", 1.2e-3, True, "1e-02", 3e-3),
+            gpu_check.CheckRow("decode", "x|y", "float16", float("nan"), True)]
+    lines = gpu_check.format_table(gpu_check.CHECK_HEADER, [r.cells() for r in rows]).splitlines()
+    assert lines[0] == "| kernel | case | dtype | max abs err | torch err | tol | result |"
+    assert lines[1] == "| --- | --- | --- | --- | --- | --- | --- |"
+    assert lines[2] == "| decode | llama3-8b bs=16 | bfloat16 | 1.20e-03 | 3.00e-03 | 1e-02 | PASS |"
+    assert lines[3] == "| decode | x\\|y | float16 | nan | - | - | FAIL |"  # a NaN never passes
+    bench = gpu_check.BenchRow("decode", "c", "triton", 2.0, 2135.0, "GB/s")
+    assert bench.cells()[3:6] == ["2.000", "2135.0 GB/s", "50% of 4.27 TB/s"]
+
+
+def test_gpu_check_refuses_to_run_without_cuda(capsys):
+    from vserve.kernels import gpu_check
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert gpu_check.main(["--skip-bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
