@@ -2,7 +2,7 @@
 
 Processing order: logit_bias, min_tokens (stop tokens masked), repetition penalty over prompt and output
 tokens (positive logits divided, negative multiplied), frequency and presence penalties over output
-tokens, then greedy argmax (temperature 0) or temperature, top_k, top_p, min_p and a multinomial draw. A request with
+tokens, then greedy argmax (temperature 0) or temperature, top_k, top_p, min_p and an inverse-CDF draw. A request with
 a seed draws from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the log-softmax of the raw model logits (before any processing).
 """
@@ -105,17 +105,20 @@ class Sampler:
                 torch.tensor([sp.min_p for sp in params], device=logits.device, dtype=logits.dtype),
             )
             probs = scaled.softmax(-1)
-            # One draw per row from its request's generator when seeded (batch-independent), the rest
-            # in one call on the engine's generator.
-            sampled = torch.zeros_like(tokens)
+            # Inverse-CDF draw: one uniform per row, from the request's own generator when seeded (so its
+            # tokens do not depend on the batch), else from the engine's; (0, 1] so a zero-mass token at the
+            # start is never picked.
+            u = torch.empty(len(reqs), device=logits.device, dtype=probs.dtype)
             glob = self._global_generator(logits.device)
-            free = [i for i, r in enumerate(reqs) if not params[i].greedy and r.generator is None]
+            free = [i for i, r in enumerate(reqs) if r.generator is None]
             if free:
-                idx = torch.tensor(free, device=logits.device)
-                sampled[idx] = torch.multinomial(probs[idx], 1, generator=glob).squeeze(1)
+                u[free] = torch.rand(len(free), generator=glob, device=logits.device, dtype=probs.dtype)
             for i, req in enumerate(reqs):
-                if not params[i].greedy and req.generator is not None:
-                    sampled[i] = torch.multinomial(probs[i], 1, generator=req.generator)[0]
+                if req.generator is not None:
+                    u[i] = torch.rand(1, generator=req.generator, device=logits.device, dtype=probs.dtype)[0]
+            cdf = probs.cumsum(-1)
+            target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
+            sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
             tokens = torch.where(greedy, tokens, sampled)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, params))
