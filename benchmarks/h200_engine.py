@@ -93,8 +93,7 @@ def run_vserve(cfg: dict, prompts, outs, **engine_args):
     llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", **engine_args)
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     rec = ScheduleRecorder(llm.llm_engine.runner)
-    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True, seed=i)
-           for i, o in enumerate(outs)]
+    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True) for o in outs]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     res = llm.generate(prompts, sps, use_tqdm=False)
@@ -109,9 +108,16 @@ def run_vserve(cfg: dict, prompts, outs, **engine_args):
                   preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
                   memory_plan=llm.llm_engine.memory_plan.as_dict(),
                   torch_max_allocated=torch.cuda.max_memory_allocated())
-    del llm
-    torch.cuda.empty_cache()
+    del llm, rec
+    free_gpu()
     return result
+
+
+def free_gpu() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
@@ -128,7 +134,7 @@ def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
     dt = time.perf_counter() - t0
     n = sum(len(o.generated_tokens) for o in out.values())
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return dict(seconds=dt, output_tokens=n, output_tok_s=n / dt)
 
 
@@ -164,7 +170,7 @@ def section_correct(results: dict) -> None:
             rows.append(dict(prompt_len=len(p), equal=div is None, first_divergence=div, hf_logit_gap=gap))
     results["correct_8b_vs_hf"] = rows
     del hf, llm
-    torch.cuda.empty_cache()
+    free_gpu()
 
 
 def section_throughput(results: dict, hf_peer: bool) -> None:

@@ -196,7 +196,7 @@ class LLMEngine:
                           prompt=prompt if isinstance(prompt, str) else None, parent_id=request_id, index=i,
                           eos_token_id=None if params.ignore_eos else self.eos_token_id)
             if sp.seed is not None:
-                req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+                req.generator = torch.Generator().manual_seed(sp.seed)  # CPU: cheap per-row draws
             children.append(req)
         return children
 

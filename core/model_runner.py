@@ -97,7 +97,7 @@ class ModelRunner:
         step reaches its last known token (a prefill chunk short of that only fills the cache)."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         context_lens: list[int] = []
         cu_seqlens = [0]
         sample_rows: list[int] = []
@@ -107,7 +107,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + n
             input_ids.extend(req.all_token_ids[start:end])
-            positions.append(torch.arange(start, end))
+            positions.extend(range(start, end))
             context_lens.append(end)
             if n == 1 and num_decodes == len(context_lens) - 1:
                 num_decodes += 1
@@ -117,10 +117,8 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
         max_blocks = max(len(b) for b in block_ids)
-        table = torch.zeros(len(block_ids), max_blocks, dtype=torch.long)
-        for i, b in enumerate(block_ids):
-            table[i, :len(b)] = torch.tensor(b, dtype=torch.long)
-        pos = torch.cat(positions)
+        table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_ids], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(len(block_ids)),
                                                torch.tensor(sched.num_scheduled_tokens))
         slots = table[seq_of_token, pos // bs] * bs + pos % bs

@@ -113,9 +113,10 @@ class Sampler:
             free = [i for i, r in enumerate(reqs) if r.generator is None]
             if free:
                 u[free] = torch.rand(len(free), generator=glob, device=logits.device, dtype=probs.dtype)
-            for i, req in enumerate(reqs):
-                if req.generator is not None:
-                    u[i] = torch.rand(1, generator=req.generator, device=logits.device, dtype=probs.dtype)[0]
+            seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+            if seeded:  # per-request generators live on the CPU: one draw each, one copy for all
+                draws = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in seeded])
+                u[seeded] = draws.to(device=logits.device, dtype=probs.dtype)
             cdf = probs.cumsum(-1)
             target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
             sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
