@@ -224,8 +224,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """schedule -> run -> sample -> append and check stops -> outputs of requests that changed."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """schedule -> run -> sample -> append and check stops -> outputs of requests that changed (or, with
+        finished_only, of those that finished: offline batches need no per-step outputs)."""
         self.last_finished = {}
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_tokens
@@ -250,8 +251,11 @@ class LLMEngine:
             status = self._check_stop(req, token)
             if status is not None:
                 self.scheduler.finish(req, status)
-            changed[req.parent_id] = None
-        return [self._make_output(pid) for pid in changed]
+                changed[req.parent_id] = None
+            elif not finished_only:
+                changed[req.parent_id] = None
+        outs = [self._make_output(pid) for pid in changed]
+        return [o for o in outs if o.finished] if finished_only else outs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params

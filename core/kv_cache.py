@@ -169,11 +169,17 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Reserve blocks for `num_new_tokens` more tokens; None (and nothing changed) if they don't fit."""
-        new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        bs = self.block_size
+        total_tokens = req.num_computed_tokens + num_new_tokens
+        if not new_computed_blocks and total_tokens <= len(blocks) * bs and (
+                not self.enable_caching or min(total_tokens, req.num_tokens) // bs
+                <= self.num_cached_blocks.get(req.request_id, 0)):
+            return []  # the common decode step: room in the last block, no block newly full
+        new_computed_blocks = new_computed_blocks or []
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * bs
         total_tokens = num_computed + num_new_tokens
-        num_required = -(-total_tokens // self.block_size)
+        num_required = -(-total_tokens // bs)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Hit blocks with ref_cnt 0 sit in the free queue: taking them shrinks what is free.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

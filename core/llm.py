@@ -82,7 +82,7 @@ class LLM:
         with make_progress(TextColumn("{task.fields[tps]} tok/s")) as progress:
             task = progress.add_task("Generating", total=len(order), tps="0", visible=show)
             while len(done) < len(order):
-                for out in engine.step():
+                for out in engine.step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         progress.advance(task)

@@ -34,6 +34,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     V = logits.shape[1]
     for i, req in enumerate(reqs):
         sp = req.sampling_params
+        if not sp.needs_logit_processing:
+            continue
         row = logits[i]
         if sp.logit_bias:
             ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=row.device)

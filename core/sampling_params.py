@@ -91,6 +91,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
 
     @property
+    def needs_logit_processing(self) -> bool:
+        """Any of logit_bias, min_tokens or a penalty is set (the sampler skips the rest per row)."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0 or self.frequency_penalty
+                    or self.presence_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
