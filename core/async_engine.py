@@ -33,6 +33,7 @@ class QueueFullError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    final_only: bool = False  # a non-streaming request is woken once, with its final output
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -73,13 +74,14 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- requests -----------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs until finished; cancelling the iterator aborts the request."""
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until finished (only the final one unless `stream`); cancelling the
+        iterator aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         children = self.engine.make_requests(request_id, prompt, params)  # ValueError for bad input
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream)
         with self._lock:
             if self.max_queue_len is not None and len(self.engine.scheduler.waiting) + len(self._inbox) \
                     >= self.max_queue_len:
@@ -128,7 +130,9 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 t0 = time.perf_counter()
-                outputs = engine.step()
+                with self._lock:
+                    finished_only = all(s.final_only for s in self._streams.values())
+                outputs = engine.step(finished_only=finished_only)
                 if self.on_step is not None:
                     self.on_step(engine, engine.last_step_tokens, time.perf_counter() - t0)
                 for out in outputs:
@@ -138,7 +142,7 @@ class AsyncEngine:
                             self._streams.pop(out.request_id, None)
                     if out.finished and self.on_finish is not None:
                         self.on_finish(out, engine.last_finished.get(out.request_id, []))
-                    if stream is not None:
+                    if stream is not None and (out.finished or not stream.final_only):
                         stream.put(out)
         except BaseException as e:  # the engine is dead: tell every waiting client once
             self.error = e

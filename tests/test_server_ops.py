@@ -85,12 +85,12 @@ CRASHING_SERVER = textwrap.dedent("""
     real_step = LLMEngine.step
     calls = 0
 
-    def step(self):
+    def step(self, **kwargs):
         global calls
         calls += 1
         if calls > 3:
             raise RuntimeError("injected engine failure")
-        return real_step(self)
+        return real_step(self, **kwargs)
 
     LLMEngine.step = step
     sys.exit(serve(EngineConfig(model=sys.argv[1], max_model_len=256), ServeOptions(port=int(sys.argv[2]))))

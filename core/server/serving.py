@@ -103,8 +103,8 @@ async def create_completion(engine: AsyncEngine, body: CompletionRequest, raw: R
     base_id = random_id("cmpl")
     created, model = now(), settings.served_model_name
     gens = []
-    for i, p in enumerate(prompts):  # validate every prompt before any starts
-        gens.append(engine.generate(f"{base_id}-{i}", p, sp))
+    for i, p in enumerate(prompts):
+        gens.append(engine.generate(f"{base_id}-{i}", p, sp, stream=body.stream))
     tokenizer = engine.engine.tokenizer
 
     if body.stream:
@@ -241,7 +241,7 @@ async def create_chat_completion(engine: AsyncEngine, body: ChatCompletionReques
     sp = body.sampling_params(max_tokens, n_top if body.logprobs else None)
     rid = random_id("chatcmpl")
     created, model = now(), settings.served_model_name
-    gen = engine.generate(rid, prompt_ids, sp)
+    gen = engine.generate(rid, prompt_ids, sp, stream=body.stream)
     tokenizer = eng.tokenizer
     if body.stream:
         return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top),
