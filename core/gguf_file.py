@@ -113,7 +113,10 @@ def iter_gguf_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> I
         if llama and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             w = _unpermute(w, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+        w = np.ascontiguousarray(w)
+        if not w.flags.writeable:  # F32/F16 tensors are views of the read-only memory map
+            w = w.copy()
+        yield name, torch.from_numpy(w).to(dtype)
 
 
 def gguf_tokenizer(path: str | Path):
