@@ -183,6 +183,12 @@ def section_throughput(results: dict, hf_peer: bool) -> None:
         results["8b_out_512_hf_generate_batch"] = hf_generate_batch(LLAMA3_8B, p, 512)
 
 
+def section_throughput_u(results: dict) -> None:
+    """Only the outputs-U[100,1024] workload (when device time is short)."""
+    p, o = workload(256, 0, LLAMA3_8B["vocab_size"], (100, 1024))
+    results["8b_out_u100_1024"] = run_vserve(LLAMA3_8B, p, o, max_num_seqs=256, enforce_eager=False)
+
+
 def section_bs1(results: dict) -> None:
     p, _ = workload(1, 3, LLAMA3_8B["vocab_size"], (512, 512), in_len=(128, 128))
     results["8b_bs1_in128_out512"] = run_vserve(LLAMA3_8B, p, [512], max_num_seqs=8, enforce_eager=False)
