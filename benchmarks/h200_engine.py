@@ -93,6 +93,7 @@ def run_vserve(cfg: dict, prompts, outs, **engine_args):
     llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", **engine_args)
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     rec = ScheduleRecorder(llm.llm_engine.runner)
+    torch.cuda.reset_peak_memory_stats()
     sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True) for o in outs]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -107,7 +108,8 @@ def run_vserve(cfg: dict, prompts, outs, **engine_args):
                   bound_tok_s=n_out / bound, frac_of_bound=bound / dt, steps=len(rec.steps),
                   preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
                   memory_plan=llm.llm_engine.memory_plan.as_dict(),
-                  torch_max_allocated=torch.cuda.max_memory_allocated())
+                  torch_max_allocated=torch.cuda.max_memory_allocated(),
+                  doctor_prediction=doctor_prediction(cfg, llm.llm_engine.config))
     del llm, rec
     free_gpu()
     return result
@@ -118,6 +120,20 @@ def free_gpu() -> None:
 
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def doctor_prediction(cfg: dict, ec) -> dict:
+    """What `vserve doctor` predicts for these settings, before loading anything (no measured inputs)."""
+    from vserve.core.memory import plan_memory
+    from vserve.core.model_config import ModelConfig
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    plan = plan_memory(ModelConfig.from_dict(cfg), gpu_memory_bytes=total,
+                       gpu_memory_utilization=ec.gpu_memory_utilization, dtype_bytes=2, block_size=ec.block_size,
+                       max_model_len=ec.max_model_len or cfg["max_position_embeddings"],
+                       max_num_batched_tokens=ec.max_num_batched_tokens, max_num_seqs=ec.max_num_seqs,
+                       cuda_graphs=not ec.enforce_eager)
+    return dict(torch_peak_bytes=plan.torch_peak_bytes, num_blocks=plan.num_blocks, verdict=plan.verdict)
 
 
 def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
