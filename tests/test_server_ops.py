@@ -142,3 +142,28 @@ def test_full_queue_answers_429(server_factory, tiny_model, tmp_path):
     assert 429 in codes and 200 in codes
     r = httpx.post(s.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_serve_bad_flag_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "vserve.cli.main", "serve", "--port", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: --port must be in 1..65535, got 0"]
+    assert "Traceback" not in r.stderr
+
+
+def test_periodic_log_line_reports_throughput_and_cache(tiny_model):
+    from vserve import LLM, SamplingParams
+    from vserve.core.server.metrics import EngineMetrics
+
+    llm = LLM(str(tiny_model("llama")), max_model_len=256)
+    metrics = EngineMetrics("tiny")
+    metrics.log_line(llm.llm_engine)  # sets the mark
+    llm.generate([[5] * 40, [5] * 40], SamplingParams(max_tokens=4, ignore_eos=True))
+    line = metrics.log_line(llm.llm_engine)
+    assert line.startswith("Avg prompt throughput: ")
+    for part in ("Avg generation throughput: ", "Running: 0 reqs", "Waiting: 0 reqs", "KV cache usage: 0.0%",
+                 "Prefix cache hit rate: "):
+        assert part in line
+    hit = float(line.rsplit("Prefix cache hit rate: ", 1)[1].rstrip("%"))
+    assert hit > 0  # the second prompt reuses the first one's two full blocks
