@@ -1,10 +1,9 @@
-"""`vserve bench throughput`: offline throughput on random-token prompts, optionally against HF transformers."""
+"""`vserve bench`: the typer app; `throughput` (offline, optionally against HF transformers) lives here."""
 
 from __future__ import annotations
 
 import gc
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,21 +14,19 @@ from rich.console import Console
 from rich.table import Table
 
 from vserve import SamplingParams
+from vserve.cli import bench_experiment, bench_latency, bench_perplexity, bench_serve
+from vserve.cli.bench_datasets import DATASETS, Workload, make_workload, parse_len, random_workload  # noqa: F401
 from vserve.cli.engine_args import build_llm, engine_command
 from vserve.core.assets import DEFAULT_MODEL_NAME  # no torch
 from vserve.core.progress import make_progress  # rich only, no torch
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.command("serve")(bench_serve.serve)
+app.command("latency")(engine_command(bench_latency.latency))
+app.command("perplexity")(engine_command(bench_perplexity.perplexity))
+app.add_typer(bench_experiment.app, name="experiment")
 console = Console(highlight=False)
 BACKENDS = ("vserve", "hf")
-
-
-@dataclass
-class Workload:
-    """The same requests for every backend: prompt token ids and each request's output length."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
 
 
 @dataclass
@@ -47,25 +44,11 @@ class Result:
                 "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / e}
 
 
-def parse_len(flag: str, value: str) -> tuple[int, int]:
-    """'A' or 'A:B' -> (A, B) with 1 <= A <= B."""
-    try:
-        lo, _, hi = value.partition(":")
-        a, b = int(lo), int(hi or lo)
-    except ValueError:
-        a = b = 0
-    if not 1 <= a <= b:
-        raise ValueError(f"{flag} must be N or A:B with 1 <= A <= B, got {value!r}")
-    return a, b
-
-
-def random_workload(seed: int, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                    vocab_size: int, special_ids: set[int]) -> Workload:
-    """Uniform lengths in [A, B]; token ids uniform over the vocabulary minus special tokens."""
-    rng = random.Random(seed)
-    allowed = [t for t in range(vocab_size) if t not in special_ids]
-    prompts = [rng.choices(allowed, k=rng.randint(*input_len)) for _ in range(num_prompts)]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
+def special_ids(tok) -> set[int]:
+    """Every special token: the tokenizer's added special tokens too (as `bench serve` reads them), so
+    both commands draw the same workload from the same flags."""
+    added = getattr(tok, "added_tokens_decoder", {})
+    return set(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
 def run_vserve(llm, w: Workload) -> Result:
@@ -107,18 +90,26 @@ def load_hf(folder: Path, fmt: str, dtype, device, trust_remote_code: bool):
     return model.to(device).eval()
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, device):
+    """(input_ids, attention_mask) of one left-padded batch, on device."""
+    import torch
+
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def run_hf_generate(model, w: Workload, pad_id: int) -> Result:
     """Static batching: every prompt in one left-padded batch, max(output_lens) new tokens for all."""
     import torch
     from transformers import GenerationConfig
 
     longest, new = max(map(len, w.prompts)), max(w.output_lens)
-    ids = torch.full((len(w.prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(w.prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
-    ids, mask = ids.to(model.device), mask.to(model.device)
+    ids, mask = left_pad(w.prompts, pad_id, model.device)
     # min_new_tokens == max_new_tokens: eos can never end a row early.
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
@@ -201,13 +192,17 @@ def throughput(
     num_prompts: int = typer.Option(100, help="Number of requests."),
     input_len: str = typer.Option("128", help="Prompt length in tokens: N, or A:B for uniform in [A, B]."),
     output_len: str = typer.Option("128", help="Output length in tokens: N, or A:B for uniform in [A, B]."),
+    dataset: str = typer.Option("random", help=f"{' | '.join(DATASETS)} (docs/bench.md)."),
+    dataset_path: str = typer.Option(None, help="Prompts file for --dataset file (.txt or .jsonl)."),
+    prefix_len: int = typer.Option(256, help="Shared prefix length for --dataset prefix."),
+    num_prefixes: int = typer.Option(1, help="Distinct prefixes for --dataset prefix."),
     backend: str = typer.Option("vserve", help="vserve, or hf: also run HF transformers on the same requests "
                                 "(generate with static batching, and generate_batch) and print the ratios."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
-    """Offline throughput of random-token prompts with exact output lengths (eos ignored)."""
+    """Offline throughput of a workload (random, file, chat, prefix) with exact output lengths (eos ignored)."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if backend not in BACKENDS:
@@ -218,11 +213,15 @@ def throughput(
 
     llm = build_llm(engine_args)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
-    if in_len[1] + out_len[1] > engine.max_model_len:
-        raise ValueError(f"--input-len {input_len} + --output-len {output_len} can exceed --max-model-len "
-                         f"{engine.max_model_len}")
     vocab = min(engine.model_config.vocab_size, len(tok))
-    w = random_workload(seed, num_prompts, in_len, out_len, vocab, set(tok.all_special_ids))
+    w = make_workload(dataset, seed=seed, num_prompts=num_prompts, input_len=in_len, output_len=out_len,
+                      vocab_size=vocab, special_ids=special_ids(tok),
+                      encode=lambda t: tok.encode(t, add_special_tokens=False), dataset_path=dataset_path,
+                      prefix_len=prefix_len, num_prefixes=num_prefixes, max_len=engine.max_model_len)
+    longest = max(len(p) + o for p, o in zip(w.prompts, w.output_lens))
+    if longest > engine.max_model_len:
+        raise ValueError(f"the workload has a request of {longest} tokens (prompt + output), more than "
+                         f"--max-model-len {engine.max_model_len}")
     results = [run_vserve(llm, w)]
     notes = []
     if hf_folder is not None:
@@ -234,11 +233,12 @@ def throughput(
         notes.append(f"HF runs greedy in {str(dtype).removeprefix('torch.')} on {device}; vserve samples "
                      "(temperature 1, top_p 1).")
         notes.append("hf generate_batch's time includes building and warming its manager, which every call does.")
-        if out_len[0] != out_len[1]:
-            notes.append(f"HF generates max(--output-len) = {out_len[1]} tokens for every request (one batch / one "
-                         "generation config); its output tokens count each request's own length, as vserve's do.")
-    report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "input_len": list(in_len),
-              "output_len": list(out_len), "seed": seed}
+        if len(set(w.output_lens)) > 1:
+            notes.append(f"HF generates the longest output length, {max(w.output_lens)} tokens, for every request "
+                         "(one batch / one generation config); its output tokens count each request's own length, "
+                         "as vserve's do.")
+    report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "dataset": dataset,
+              "input_len": list(in_len), "output_len": list(out_len), "seed": seed}
     if len(results) > 1:
         report["peers"] = [r.as_dict() for r in results[1:]]
         report["ratios"] = {r.backend: report["output_tokens_per_s"] / max(r.as_dict()["output_tokens_per_s"], 1e-9)

@@ -61,7 +61,13 @@ ENGINE_FLAGS = (
     EngineFlag("quantization", str, "Quantization method (none is implemented yet)"),
     EngineFlag("load_format", str, f"{' | '.join(LOAD_FORMATS)}; dummy: random weights"),
     EngineFlag("seed", int, "Random seed (generate also seeds each request with it)"),
-    EngineFlag("tensor_parallel_size", int, "GPUs to shard the model over"),
+    EngineFlag("tensor_parallel_size", int, "GPUs to shard each layer over", decls=("--tensor-parallel-size", "-tp")),
+    EngineFlag("pipeline_parallel_size", int, "Pipeline stages to split the layers over",
+               decls=("--pipeline-parallel-size", "-pp")),
+    EngineFlag("nnodes", int, "Nodes the ranks are spread over (docs/parallelism.md)"),
+    EngineFlag("node_rank", int, "This node's index; nodes other than 0 run ranks only"),
+    EngineFlag("master_addr", str, "Node 0's address for the rendezvous"),
+    EngineFlag("master_port", int, "Node 0's rendezvous port", "a free port (one node)"),
     EngineFlag("trust_remote_code", bool, "Let the tokenizer run code from the model folder",
                decls=("--trust-remote-code",)),
     EngineFlag("skip_tokenizer_init", bool, "Load no tokenizer: prompts are token ids, outputs carry no text",
@@ -119,6 +125,12 @@ def engine_command(fn: Callable[..., Any]) -> Callable[..., Any]:
             config = EngineConfig.resolve(engine_args, profile=None)
             if kwargs.pop("print_config"):
                 print_config(config)
+            if config.node_rank > 0:  # another node's ranks: no engine, no server here
+                from vserve.core.worker import run_node
+
+                if kwargs.get("model_arg") is not None:  # `vserve serve MODEL`
+                    config = EngineConfig.resolve({**engine_args, "model": kwargs["model_arg"]})
+                raise typer.Exit(run_node(config))
             return fn(engine_args=engine_args, **kwargs)
 
     command.__signature__ = sig.replace(parameters=own + [f.parameter() for f in ENGINE_FLAGS] + [show])

@@ -29,6 +29,11 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1  # the ranks (TP x PP) are spread evenly over this many nodes
+    node_rank: int = 0  # node 0 runs the engine (and the server); the others run ranks only
+    master_addr: str = "127.0.0.1"  # node 0's address for the torch.distributed rendezvous
+    master_port: int | None = None  # None: a free port (one node only)
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids and outputs carry no text
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -59,8 +64,19 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", ">= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
-        if self.tensor_parallel_size != 1:
-            raise bad("tensor_parallel_size", "1 (tensor parallelism is not implemented yet)")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", ">= 1")
+        if self.pipeline_parallel_size < 1:
+            raise bad("pipeline_parallel_size", ">= 1")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or world % self.nnodes:
+            raise bad("nnodes", f"a divisor of tensor x pipeline parallel size ({world})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"in [0, {self.nnodes})")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise bad("master_port", "in 1..65535")
+        if self.nnodes > 1 and self.master_port is None:
+            raise bad("master_port", "set when --nnodes > 1")
         if self.quantization is not None:
             raise bad("quantization", "unset (quantized serving is not implemented yet)")
         if self.device not in ("auto", "cpu", "cuda"):

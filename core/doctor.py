@@ -449,3 +449,9 @@ def run_doctor(env: Environment, model: str | None = None, profile: str | None =
                      check_nccl(env, tp), check_nccl_env(env, tp), check_topology(env, tp), check_triton(env),
                      check_shm(env, tp), check_gpu_memory(env, utilization), plan_check]
     return report
+
+
+def preflight(env: Environment, tp: int) -> list[Check]:
+    """The checks a multi-GPU launch runs first (NCCL, its environment, /dev/shm); those that fail."""
+    checks = [check_nccl(env, tp), check_nccl_env(env, tp), check_shm(env, tp)]
+    return [c for c in checks if c.status == "fail"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,21 +65,54 @@ def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
 
 
+def needs_activation_profile(config: EngineConfig, device: torch.device) -> bool:
+    # Under PP a lone forward cannot run (its stages wait on each other): the planner estimates instead.
+    return (device.type == "cuda" and config.num_kv_blocks is None and not config.kv_cache_memory_gib
+            and config.pipeline_parallel_size == 1)
+
+
+def model_source(config: EngineConfig) -> tuple[Path, str, ModelConfig]:
+    from vserve.core.assets import default_model_path
+
+    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
+    if fmt == "gguf":
+        from vserve.core.gguf_file import gguf_config
+
+        return path, fmt, ModelConfig.from_dict(gguf_config(path))
+    return path, fmt, ModelConfig.from_pretrained(path)
+
+
+def load_model(config: EngineConfig, device: torch.device):
+    """(model config, path, format, dtype, model): this rank's shard of the weights."""
+    path, fmt, mc = model_source(config)
+    dtype = _pick_dtype(config.dtype, mc, device)
+    return mc, path, fmt, dtype, build_model(mc, path, fmt, dtype, device, config.seed)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from vserve.core.assets import default_model_path
-
         self.config = config
-        model = config.model or str(default_model_path())
-        path, fmt = resolve_model(model, config.load_format)
-        if fmt == "gguf":
-            from vserve.core.gguf_file import gguf_config
-
-            self.model_config = ModelConfig.from_dict(gguf_config(path))
-        else:
-            self.model_config = ModelConfig.from_pretrained(path)
+        path, fmt, self.model_config = model_source(config)
         mc = self.model_config
         self.device = _pick_device(config.device)
+        self.workers = None
+        self.failure: RuntimeError | None = None  # a lost rank: every later step raises it
+        if config.node_rank != 0:
+            raise ValueError("--node-rank > 0 runs ranks only (vserve serve/generate do that); the engine is node 0")
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from vserve.core.worker import start_tensor_parallel
+
+            self.workers, self.device = start_tensor_parallel(config, mc, self.device)
+            ref = weakref.ref(self)
+            atexit.register(lambda: (e := ref()) is not None and e.shutdown())  # let the other ranks exit 0
+        try:
+            self._init_rank0(config, path, fmt)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def _init_rank0(self, config: EngineConfig, path: Path, fmt: str) -> None:
+        mc = self.model_config
         self.dtype = _pick_dtype(config.dtype, mc, self.device)
         self.max_model_len = self._max_model_len(config, mc)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
@@ -86,12 +121,13 @@ class LLMEngine:
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
         self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed)
 
-        bs = config.block_size
+        bs, tp = config.block_size, config.tensor_parallel_size
+        multi = tp * config.pipeline_parallel_size > 1
         c, measured = config, {}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             measured["gpu_memory_bytes"] = total
-            if c.num_kv_blocks is None and not c.kv_cache_memory_gib:
+            if needs_activation_profile(c, self.device):
                 from vserve.core.model_runner import profile_peak_activation
 
                 measured["in_use_bytes"] = total - free
@@ -101,18 +137,24 @@ class LLMEngine:
         # One planner for the engine and `vserve doctor`; here it is fed what was measured.
         self.memory_plan = plan_memory(
             mc, gpu_memory_bytes=measured.pop("gpu_memory_bytes", None), dtype_bytes=self.dtype.itemsize,
-            block_size=bs, max_model_len=self.max_model_len, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_num_seqs=c.max_num_seqs, gpu_memory_utilization=c.gpu_memory_utilization,
-            cuda_graphs=not c.enforce_eager, num_kv_blocks=c.num_kv_blocks,
+            tensor_parallel_size=tp, block_size=bs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
+            num_kv_blocks=c.num_kv_blocks,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
+        if self.workers is not None:
+            from vserve.core.distributed import broadcast_object
+
+            broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len})
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
+        # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager or multi)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.parents: dict[str, list[Request]] = {}
@@ -227,6 +269,8 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """schedule -> run -> sample -> append and check stops -> outputs of requests that changed (or, with
         finished_only, of those that finished: offline batches need no per-step outputs)."""
+        if self.failure is not None:
+            raise self.failure
         self.last_finished = {}
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_tokens
@@ -237,7 +281,14 @@ class LLMEngine:
         block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
         for r, n in zip(sched.requests, sched.num_scheduled_tokens):
             self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
-        reqs, sampled = self.runner.execute(sched, block_ids)
+        try:
+            reqs, sampled = self.runner.execute(sched, block_ids)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            self.failure = self.workers.failure(e)
+            self.shutdown(graceful=False)
+            raise self.failure from e
         self.scheduler.update_after_step(sched)
         now = time.monotonic()
         changed: dict[str, None] = {}
@@ -299,6 +350,21 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 self.detokenizers.pop(req.request_id, None)
         return out
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (a no-op for one process)."""
+        workers, self.workers = getattr(self, "workers", None), None
+        if workers is None:
+            return
+        from vserve.core import distributed
+
+        if graceful:
+            try:
+                distributed.broadcast_object(None)
+            except Exception:  # a rank already gone: nothing to tell it
+                graceful = False
+        workers.shutdown(timeout_s=10.0 if graceful else 0.0)
+        distributed.destroy_distributed()
 
     def stats(self) -> EngineStats:
         return EngineStats(

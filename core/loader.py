@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vserve.core.distributed import get_pp_size
 from vserve.core.model_config import ModelConfig
 from vserve.core.models import get_model_class
 from vserve.core.progress import progress_bar
@@ -84,6 +86,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.weight$")
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
@@ -93,11 +98,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         pname, shard = name, None
-        for frag, (packed, shard_id) in mapping.items():
+        expert = _EXPERT.search(name)  # Mixtral: experts.{e}.w1/w2/w3 -> the stacked experts.w13/w2 weights
+        if expert is not None:
+            e, w = int(expert.group(1)), expert.group(2)
+            stacked = ".experts.w2_weight" if w == "w2" else ".experts.w13_weight"
+            pname, shard = name[:expert.start()] + stacked, (e, w)
+        for frag, (packed, shard_id) in mapping.items() if expert is None else ():
             if f".{frag}." in name:
                 pname, shard = name.replace(f".{frag}.", f".{packed}."), shard_id
                 break
         if pname not in params:
+            if get_pp_size() > 1 and not _on_this_stage(model, pname):
+                continue  # another pipeline stage holds it
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         param = params[pname]
         loader = getattr(param, "weight_loader", None)
@@ -109,11 +121,23 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = []
     for pname, param in params.items():
         layer = getattr(getattr(param, "weight_loader", None), "__self__", None)
-        shards = list(layer.shard_sizes) if layer is not None else [None]
+        shards = layer.shards_of(param) if hasattr(layer, "shards_of") else list(getattr(layer, "shard_sizes", [None]))
         if not all(f"{pname}:{s}" in loaded for s in shards):
             missing.append(pname)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def _on_this_stage(model: nn.Module, name: str) -> bool:
+    mod = model
+    for part in name.split(".")[:-1]:
+        if isinstance(mod, nn.ModuleList):
+            mod = mod[int(part)] if part.isdigit() and int(part) < len(mod) else None
+        else:
+            mod = getattr(mod, part, None)
+        if mod is None or isinstance(mod, nn.Identity):
+            return False
+    return True
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
 }
 
 
@@ -36,6 +37,8 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_id: list[int] = field(default_factory=list)
+    num_experts: int = 0  # sparse MoE (Mixtral): experts per layer, 0 for a dense MLP
+    num_experts_per_tok: int = 0
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -85,6 +88,8 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            num_experts=cfg.get("num_local_experts", 0),
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             raw=cfg,
         )
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, get_rank, get_tp_size, isend, recv
 from vserve.core.layers.attention import AttentionMetadata
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
@@ -19,6 +22,20 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if sizes[-1] < top:
         sizes.append(top)
     return sizes
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs as CPU tensors: what rank 0 broadcasts to the other TP ranks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    num_decodes: int
+    cu_seqlens_q: torch.Tensor
+    sample_rows: torch.Tensor
 
 
 class ModelRunner:
@@ -39,9 +56,9 @@ class ModelRunner:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.kv_caches = []
         for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)  # this TP rank's KV heads
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
@@ -90,8 +107,8 @@ class ModelRunner:
         self.graphs[b].replay()
         return self.g_out[:T]
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_ids: list[list[int]]):
-        """Flatten the step: input_ids, positions, attention metadata, and which rows sample.
+    def build_step(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[StepInputs, list[Request]]:
+        """Flatten the step into CPU tensors, and which requests sample.
 
         Requests come decodes first (one token each), then prefill chunks; a request samples when this
         step reaches its last known token (a prefill chunk short of that only fills the cache)."""
@@ -122,26 +139,84 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(block_ids)),
                                                torch.tensor(sched.num_scheduled_tokens))
         slots = table[seq_of_token, pos // bs] * bs + pos % bs
-        dev = self._dev
-        md = AttentionMetadata(
-            slot_mapping=dev(slots),
-            block_tables=dev(table),
-            context_lens=dev(torch.tensor(context_lens, dtype=torch.long)),
-            num_decodes=num_decodes,
-            cu_seqlens_q=dev(torch.tensor(cu_seqlens, dtype=torch.long)),
-        )
-        ids = dev(torch.tensor(input_ids, dtype=torch.long))
-        return ids, dev(pos), md, dev(torch.tensor(sample_rows, dtype=torch.long)), sample_reqs
+        step = StepInputs(torch.tensor(input_ids, dtype=torch.long), pos, slots, table,
+                          torch.tensor(context_lens, dtype=torch.long), num_decodes,
+                          torch.tensor(cu_seqlens, dtype=torch.long), torch.tensor(sample_rows, dtype=torch.long))
+        return step, sample_reqs
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
-        ids, pos, md, rows, reqs = self.prepare_inputs(sched, block_ids)
+    def prepare_inputs(self, sched: SchedulerOutput, block_ids: list[list[int]]):
+        """(input_ids, positions, attention metadata, sample rows) on the device, and the sampling requests."""
+        step, reqs = self.build_step(sched, block_ids)
+        return *self.to_device(step), reqs
+
+    def to_device(self, s: StepInputs):
+        dev = self._dev
+        md = AttentionMetadata(dev(s.slot_mapping), dev(s.block_tables), dev(s.context_lens), s.num_decodes,
+                               dev(s.cu_seqlens_q))
+        return dev(s.input_ids), dev(s.positions), md, dev(s.sample_rows)
+
+    def run_step(self, step: StepInputs | list[StepInputs]) -> torch.Tensor | None:
+        """Forward one step (under PP: its micro-batches); the logits of its sampling rows (None when no row
+        samples, or on a rank that does not sample)."""
+        if get_pp_size() > 1:
+            return self._run_pipeline(step)
+        ids, pos, md, rows = self.to_device(step)
         hidden = self._run_graph(ids, pos, md)
         if hidden is None:
             hidden = self.model(ids, pos, md)
-        if not reqs:
+        if step.sample_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[rows])
+
+    def _run_pipeline(self, micro: list[StepInputs]) -> torch.Tensor | None:
+        """Micro-batches flow through the stages: stage s runs micro-batch i while stage s+1 runs i-1. Each stage
+        receives (x, residual) from the one before and sends its own on asynchronously (waited at the end, so no
+        stage blocks on a peer still computing); the last stage's TP rank 0 sends the logits to rank 0."""
+        rank, tp, last = get_rank(), get_tp_size(), (get_pp_size() - 1) * get_tp_size()
+        pending, logits = [], []
+        for step in micro:
+            ids, pos, md, rows = self.to_device(step)
+            shape = ((ids.shape[0], self.cfg.hidden_size), self.dtype)
+            intermediate = None if get_pp_rank() == 0 else tuple(recv([shape, shape], rank - tp, self.device))
+            out = self.model(ids, pos, md, intermediate)
+            if rank < last:
+                pending.append(isend(list(out), rank + tp))
+            elif rows.numel():
+                logits.append(self.model.compute_logits(out[rows]))
+                if rank == last:
+                    pending.append(isend([logits[-1]], 0))
+        if rank == 0:
+            vocab = self.cfg.vocab_size
+            logits = [recv([((s.sample_rows.numel(), vocab), torch.float32)], last, self.device)[0]
+                      for s in micro if s.sample_rows.numel()]
+        for works in pending:
+            for work, _ in works:
+                work.wait()
+        return torch.cat(logits) if logits else None
+
+    def _micro_batches(self, sched: SchedulerOutput, block_ids: list[list[int]]):
+        """Under PP: the step's requests in up to pp contiguous groups (decodes stay first in each)."""
+        n = min(get_pp_size(), len(sched.requests))
+        bounds = [len(sched.requests) * i // n for i in range(n + 1)]
+        steps, reqs = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            sub = SchedulerOutput(sched.requests[a:b], sched.num_scheduled_tokens[a:b])
+            step, r = self.build_step(sub, block_ids[a:b])
+            steps.append(step)
+            reqs += r
+        return steps, reqs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
+        if get_pp_size() > 1:
+            step, reqs = self._micro_batches(sched, block_ids)
+        else:
+            step, reqs = self.build_step(sched, block_ids)
+        if get_tp_size() * get_pp_size() > 1:
+            broadcast_object(step)  # the other ranks run the same step on their shards
+        logits = self.run_step(step)
+        if logits is None:
             return [], SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[rows])
         return reqs, self.sampler(logits, reqs)
 
 

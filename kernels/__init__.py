@@ -10,22 +10,23 @@ from functools import cache
 from types import SimpleNamespace
 
 _NAMES = ("store_kvcache", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm",
-          "silu_and_mul", "rotary_embedding")
+          "silu_and_mul", "rotary_embedding", "fused_moe")
 
 
 @cache
 def _reference() -> SimpleNamespace:
-    from vserve.kernels import ops_ref, paged_attention
+    from vserve.kernels import moe_ref, ops_ref, paged_attention
 
-    return SimpleNamespace(**{n: getattr(paged_attention, n + "_ref", None) or getattr(ops_ref, n + "_ref")
-                              for n in _NAMES})
+    mods = (paged_attention, ops_ref, moe_ref)
+    return SimpleNamespace(**{n: next(getattr(m, n + "_ref") for m in mods if hasattr(m, n + "_ref")) for n in _NAMES})
 
 
 @cache
 def _triton() -> SimpleNamespace:
-    from vserve.kernels import triton_attention, triton_ops
+    from vserve.kernels import triton_attention, triton_moe, triton_ops
 
-    return SimpleNamespace(**{n: getattr(triton_attention, n, None) or getattr(triton_ops, n) for n in _NAMES})
+    mods = (triton_attention, triton_ops, triton_moe)
+    return SimpleNamespace(**{n: next(getattr(m, n) for m in mods if hasattr(m, n)) for n in _NAMES})
 
 
 def for_device(t) -> SimpleNamespace:

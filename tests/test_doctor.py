@@ -189,3 +189,11 @@ def test_the_real_probe_runs_here():
     env = probe.probe_environment(run_triton=False)
     assert env.torch_version is not None and "torch" in env.packages
     assert env.shm_bytes is None or env.shm_bytes > 0
+
+
+def test_preflight_before_a_tp_launch_fails_on_small_shm_only_with_tp():
+    from vserve.core.doctor import preflight
+
+    small = replace(HEALTHY, shm_bytes=64 * MiB)
+    assert [c.name for c in preflight(small, 2)] == ["/dev/shm"]
+    assert preflight(small, 1) == [] and preflight(HEALTHY, 2) == []

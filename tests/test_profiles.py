@@ -216,11 +216,10 @@ def test_flags_beat_profile_beat_defaults_with_sources():
     assert rows["--tensor-parallel-size"] == (1, "profile a10g")
 
 
-def test_unsupported_recommendations_are_reported_not_applied():
+def test_tp_recommendation_applies_and_unsupported_quantization_is_reported():
     cfg = EngineConfig.resolve({"model": "llama-2-70b", "profile": "a10g"})
-    assert (cfg.tensor_parallel_size, cfg.quantization) == (1, None)
-    assert cfg.sources["tensor_parallel_size"] == ("default (profile a10g recommends 4; tensor parallelism is not "
-                                                   "implemented yet)")
+    assert (cfg.tensor_parallel_size, cfg.quantization) == (4, None)
+    assert cfg.sources["tensor_parallel_size"] == "profile a10g"
     assert cfg.sources["quantization"] == "default (profile a10g recommends awq; quantized serving is not " \
                                           "implemented yet)"
 

@@ -1,15 +1,17 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one implementation switched by config fields."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral) in one implementation switched by config fields."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from vserve.core.distributed import get_pp_rank, get_pp_size, get_tp_size, pp_layer_range, shard
 from vserve.core.layers.attention import Attention, AttentionMetadata
+from vserve.core.layers.fused_moe import SparseMoeBlock
 from vserve.core.layers.linear import Linear
 from vserve.core.layers.norm import RMSNorm
 from vserve.core.layers.rotary import RotaryEmbedding
+from vserve.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from vserve.core.model_config import ModelConfig
 from vserve.kernels import for_device
 
@@ -17,10 +19,17 @@ from vserve.kernels import for_device
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q": self.h * self.d, "k": self.kvh * self.d,
-                                                 "v": self.kvh * self.d}, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+        heads, kv_heads, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # This rank's heads; KV heads fewer than ranks are replicated (each rank holds one).
+        self.h, self.kvh = shard(heads, "attention heads"), max(1, kv_heads // get_tp_size())
+        kv_parts = min(kv_heads, get_tp_size())
+        if kv_heads % kv_parts or get_tp_size() % kv_parts:
+            raise ValueError(f"--tensor-parallel-size {get_tp_size()} must divide or be a multiple of the "
+                             f"model's {kv_heads} KV heads")
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": heads * self.d, "k": kv_heads * self.d,
+                                                 "v": kv_heads * self.d}, bias=cfg.attention_bias,
+                               parallel="column", parts={"k": kv_parts, "v": kv_parts})
+        self.o_proj = Linear(heads * self.d, cfg.hidden_size, parallel="row")
         self.rotary_emb = RotaryEmbedding(self.d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.h, self.kvh, self.d, self.d ** -0.5)
         if cfg.qk_norm:
@@ -44,8 +53,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: self.inter, 1: self.inter})
-        self.down_proj = Linear(self.inter, cfg.hidden_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: self.inter, 1: self.inter}, parallel="column")
+        self.down_proj = Linear(self.inter, cfg.hidden_size, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(for_device(x).silu_and_mul(self.gate_up_proj(x)))
@@ -55,7 +64,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        if cfg.num_experts:  # Mixtral: a sparse MoE block in place of the MLP
+            self.mlp = None
+            self.block_sparse_moe = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                                   cfg.intermediate_size)
+        else:
+            self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -66,21 +80,30 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, md)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return (self.block_sparse_moe(x) if self.mlp is None else self.mlp(x)), residual
 
 
 class LlamaModel(nn.Module):
+    """This pipeline stage's layers (the others are nn.Identity placeholders, so names keep their index)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.start, self.end = pp_layer_range(cfg.num_hidden_layers)
+        self.is_first, self.is_last = get_pp_rank() == 0, get_pp_rank() == get_pp_size() - 1
+        # The last stage needs the embedding too when the LM head is tied to it.
+        has_embed = self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if has_embed else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) if self.start <= i < self.end else nn.Identity()
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids, positions, md):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, md, intermediate=None):
+        """Hidden states on the last stage; (x, residual) for the next stage on the others."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer in self.layers[self.start:self.end]:
             x, residual = layer(positions, x, residual, md)
+        if not self.is_last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -99,18 +122,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings or not self.model.is_last:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            self.lm_head.weight.requires_grad_(False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids, positions, md: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, md)
+    def forward(self, input_ids, positions, md: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, md, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start:self.model.end]]

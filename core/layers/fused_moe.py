@@ -1,0 +1,58 @@
+"""Mixtral-style sparse MoE: a replicated router (top-k, renormalized) over experts whose intermediate dim is
+split over TP ranks (each rank holds a slice of every expert; the partial outputs are all-reduced)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vserve.core.distributed import all_reduce, get_tp_rank, get_tp_size, shard
+from vserve.core.layers.linear import Linear
+from vserve.kernels import for_device
+
+
+class FusedMoE(nn.Module):
+    """All experts' weights stacked: w13_weight [E, 2 I/tp, H] = [gate | up], w2_weight [E, H, I/tp]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.inter = shard(intermediate_size, "expert intermediate size")
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.num_experts = num_experts
+
+    def shards_of(self, param: nn.Parameter) -> list[tuple[int, str]]:
+        """The checkpoint shards a parameter needs: (expert, "w1" gate | "w3" up) or (expert, "w2" down)."""
+        names = ("w2",) if param is self.w2_weight else ("w1", "w3")
+        return [(e, w) for e in range(self.num_experts) for w in names]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        e, w = shard_id
+        n, r = self.inter, get_tp_rank()
+        if w == "w2":
+            dst, src = param.data[e], loaded.narrow(1, r * n, n) if loaded.shape[1] == n * get_tp_size() else None
+        else:
+            dst = param.data[e].narrow(0, 0 if w == "w1" else n, n)
+            src = loaded.narrow(0, r * n, n) if loaded.shape[0] == n * get_tp_size() else None
+        if src is None or src.shape != dst.shape:
+            raise ValueError(f"checkpoint tensor for expert {e} {w} has shape {tuple(loaded.shape)}, which does "
+                             f"not fit {tuple(dst.shape)} x {get_tp_size()} ranks")
+        dst.copy_(src)
+
+
+class SparseMoeBlock(nn.Module):
+    """Mixtral's block_sparse_moe: gate (router) and experts."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = Linear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalized over the chosen experts
+        out = for_device(x).fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        return all_reduce(out)
