@@ -192,7 +192,7 @@ def throughput(
     num_prompts: int = typer.Option(100, help="Number of requests."),
     input_len: str = typer.Option("128", help="Prompt length in tokens: N, or A:B for uniform in [A, B]."),
     output_len: str = typer.Option("128", help="Output length in tokens: N, or A:B for uniform in [A, B]."),
-    dataset: str = typer.Option("random", help=f"{' | '.join(DATASETS)} (docs/bench.md)."),
+    dataset: str = typer.Option("random", help=f"{' | '.join(DATASETS)} (docs/benchmarking.md)."),
     dataset_path: str = typer.Option(None, help="Prompts file for --dataset file (.txt or .jsonl)."),
     prefix_len: int = typer.Option(256, help="Shared prefix length for --dataset prefix."),
     num_prefixes: int = typer.Option(1, help="Distinct prefixes for --dataset prefix."),
