@@ -133,3 +133,25 @@ def server_factory():
     yield start
     for s in started:
         s.stop()
+
+
+def _hf_greedy(folder, prompts, new_tokens: int) -> list[list[int]]:
+    """HF transformers greedy `generate`, one prompt at a time (no padding in the reference), eos disabled."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:  # one at a time: no padding in the reference
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(folder, prompts, new_tokens) -> the reference token ids for each prompt."""
+    return _hf_greedy

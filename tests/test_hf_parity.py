@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from vserve import LLM, SamplingParams
 
@@ -35,22 +34,8 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(folder, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:  # one at a time: no padding in the reference
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
-def references(tiny_model):
+def references(tiny_model, hf_greedy):
     cache = {}
 
     def get(family):
@@ -58,7 +43,7 @@ def references(tiny_model):
             arch, overrides = FAMILIES[family]
             folder = tiny_model(arch, **overrides)
             prompts = _prompts(hash(family) % 1000)
-            cache[family] = (folder, prompts, hf_greedy(folder, prompts))
+            cache[family] = (folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS))
         return cache[family]
 
     return get
@@ -82,7 +67,7 @@ def test_greedy_matches_hf(references, family, setting):
         assert stats.num_preemptions > 0, "the setting was meant to force preemption"
 
 
-def test_smollm2_matches_hf(default_model_dir):
+def test_smollm2_matches_hf(default_model_dir, hf_greedy):
     prompts_text = ["The capital of France is", "def fibonacci(n):",
                     "Once upon a time, in a small village,", "The three primary colors are"]
     llm = LLM(dtype="float32", device="cpu")

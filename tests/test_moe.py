@@ -46,8 +46,7 @@ def tiny_mixtral(tmp_path_factory):
     return folder
 
 
-def test_mixtral_greedy_tokens_match_hf_under_tp2_and_pp2(tiny_mixtral):
-    from tests.test_hf_parity import hf_greedy
+def test_mixtral_greedy_tokens_match_hf_under_tp2_and_pp2(tiny_mixtral, hf_greedy):
 
     prompts = [[5, 6, 7, 8], list(range(10, 50))]
     expected = hf_greedy(tiny_mixtral, prompts, 16)

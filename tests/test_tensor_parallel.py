@@ -32,8 +32,7 @@ def _greedy(folder, **engine_args) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_greedy_tokens_equal_tp1_and_hf(tiny_model, case):
-    from tests.test_hf_parity import hf_greedy
+def test_tp2_greedy_tokens_equal_tp1_and_hf(tiny_model, case, hf_greedy):
 
     arch, overrides = CASES[case]
     folder = tiny_model(arch, **overrides)
