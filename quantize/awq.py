@@ -1,0 +1,86 @@
+"""AWQ (Lin et al. 2023) for one linear, or several sharing an input (q/k/v, gate/up): search per-input-channel
+scales that protect the channels with large activations, then search per-group clipping of the scaled weight."""
+
+from dataclasses import dataclass
+
+import torch
+
+from vserve.quantize.rtn import fake_quantize, quantize_rtn
+
+
+@dataclass(slots=True)
+class AWQResult:
+    """The scales to fold and the quantized, scaled weights.
+
+    Fold: multiply each weight's input channels by `scales` (that is what `layers` quantizes) and divide the
+    preceding norm's weight (or preceding linear's output rows) by `scales`, so the float model is unchanged."""
+
+    scales: torch.Tensor  # [in] float32
+    alpha: float
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per weight: (q, zeros, scales) as quantize_rtn
+
+
+def search_scales(
+    weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4, group_size: int = 128, n_grid: int = 20
+) -> tuple[torch.Tensor, float]:
+    """Grid over alpha = 0, 1/n_grid, ..., (n_grid-1)/n_grid (AutoAWQ's grid; alpha = 0 is plain RTN):
+    scales = s_x^alpha normalized, keep the alpha whose fake-quantized (W * scales) applied to x / scales gives
+    the smallest output MSE. Returns (scales [in], alpha)."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    W = torch.cat([w.float() for w in weights], dim=0)
+    ref = x @ W.t()
+    s_x = x.abs().mean(dim=0)
+    best = (float("inf"), None, 0.0)
+    for k in range(n_grid):
+        alpha = k / n_grid
+        s = s_x.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither W nor x is pushed far in range
+        Wq = fake_quantize(W * s, bits, group_size) / s
+        err = (x @ Wq.t() - ref).pow(2).mean().item()
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    n_tokens: int = 512,
+) -> torch.Tensor:
+    """Per (output row, group) max |w| in [max_shrink, 1] x the original that minimizes that group's partial
+    output error sum_k x_k w_k after fake quantization. Returns max_val [out, in/group]."""
+    out_features, n = w.shape
+    x = x.reshape(-1, n).float()
+    x = x[:: max(1, x.shape[0] // n_tokens)]  # a strided subset of tokens is enough for a per-group choice
+    wg = w.float().reshape(out_features, -1, group_size)
+    xg = x.reshape(x.shape[0], -1, group_size)
+    ref = torch.einsum("ogk,tgk->otg", wg, xg)
+    org_max = wg.abs().amax(dim=-1)
+    best_err = torch.full_like(org_max, float("inf"))
+    best_max = org_max.clone()
+    for k in range(int(max_shrink * n_grid)):
+        max_val = org_max * (1 - k / n_grid)
+        cur = torch.maximum(torch.minimum(wg, max_val[..., None]), -max_val[..., None])
+        q = fake_quantize(cur.reshape(out_features, n), bits, group_size).reshape_as(wg)
+        err = (torch.einsum("ogk,tgk->otg", q, xg) - ref).pow(2).mean(dim=1)
+        better = err < best_err
+        best_err[better], best_max[better] = err[better], max_val[better]
+    return best_max
+
+
+def quantize_awq(
+    weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4, group_size: int = 128, n_grid: int = 20
+) -> AWQResult:
+    """Scale search over the weights sharing input x, then clipping and RTN of each scaled weight."""
+    s, alpha = search_scales(weights, x, bits, group_size, n_grid)
+    xs = x.reshape(-1, x.shape[-1]).float() / s
+    layers = []
+    for w in weights:
+        ws = w.float() * s
+        max_val = search_clip(ws, xs, bits, group_size, n_grid).repeat_interleave(group_size, dim=1)
+        layers.append(quantize_rtn(torch.maximum(torch.minimum(ws, max_val), -max_val), bits, group_size))
+    return AWQResult(scales=s, alpha=alpha, layers=layers)

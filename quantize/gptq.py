@@ -1,0 +1,70 @@
+"""GPTQ (Frantar et al. 2022) for one linear layer: quantize columns in order, pushing each column's error
+onto the not-yet-quantized columns through the inverse Hessian of the layer's calibration inputs."""
+
+import torch
+
+from vserve.quantize.rtn import quant_params, quantize_codes
+
+
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    """H = 2 X^T X / n for activations x [..., in]; dividing by n changes nothing (damping is relative)
+    but keeps H's magnitude independent of how many calibration tokens there were."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    return (2.0 / x.shape[0]) * x.t() @ x
+
+
+def quantize_gptq(
+    w: torch.Tensor,
+    H: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    percdamp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in], H [in, in] -> (q int32 [out, in], zeros int32 [out, in/group], scales float32 [out, in/group],
+    g_idx int32 [in]). With act_order, columns are quantized by decreasing diag(H) and groups follow that order,
+    so g_idx is then not monotonic."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    out_features, n = w.shape
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size must divide in_features ({n}), got {group_size}")
+    if H.shape != (n, n):
+        raise ValueError(f"H must be [{n}, {n}], got {tuple(H.shape)}")
+    W = w.double().clone()
+    H = H.double().clone()
+    dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(n, dtype=H.dtype)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+    codes = torch.zeros_like(W)
+    scales = torch.zeros(out_features, n // group_size, dtype=W.dtype)
+    zeros = torch.zeros_like(scales)
+    scale = zero = None
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:  # group parameters from the weights as updated so far
+                rest = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
+                scale, zero = quant_params(rest, bits)
+                scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
+            c = quantize_codes(W1[:, i], scale, zero, bits)
+            codes[:, col] = c
+            err = (W1[:, i] - (c - zero) * scale) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the lazy update: later blocks see this block's error once
+
+    invperm = torch.argsort(perm)
+    g_idx = (torch.arange(n) // group_size)[invperm].to(torch.int32)
+    return codes[:, invperm].to(torch.int32), zeros.to(torch.int32), scales.float(), g_idx
