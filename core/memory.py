@@ -286,11 +286,7 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         max_concurrency=num_blocks * block_size / max_len, verdict=verdict, reason=reason)
 
 
-# ---- the engine's original helpers (same signatures; plan_memory is built on them) ----------------------
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
-    return cfg.kv_bytes_per_token(dtype_bytes) * block_size
+# ---- helpers plan_memory is built on -------------------------------------------------------------------------
 
 
 def default_cpu_kv_budget() -> int:
@@ -300,15 +296,6 @@ def default_cpu_kv_budget() -> int:
     except (ValueError, OSError):
         avail = 16 * GiB
     return min(GiB, avail // 4)
-
-
-def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype_bytes: int, budget_bytes: int,
-                    max_model_len: int) -> int:
-    """Blocks that fit in the budget; refuses a cache that cannot hold one max_model_len sequence."""
-    per_block = kv_bytes_per_block(cfg, block_size, dtype_bytes)
-    num_blocks = budget_bytes // per_block
-    check_fits_one_sequence(num_blocks, block_size, max_model_len, per_block)
-    return num_blocks
 
 
 def fmt_bytes(n: float) -> str:

@@ -144,11 +144,6 @@ class ModelRunner:
                           torch.tensor(cu_seqlens, dtype=torch.long), torch.tensor(sample_rows, dtype=torch.long))
         return step, sample_reqs
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_ids: list[list[int]]):
-        """(input_ids, positions, attention metadata, sample rows) on the device, and the sampling requests."""
-        step, reqs = self.build_step(sched, block_ids)
-        return *self.to_device(step), reqs
-
     def to_device(self, s: StepInputs):
         dev = self._dev
         md = AttentionMetadata(dev(s.slot_mapping), dev(s.block_tables), dev(s.context_lens), s.num_decodes,
