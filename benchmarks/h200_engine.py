@@ -56,8 +56,8 @@ class ScheduleRecorder:
     def __init__(self, runner) -> None:
         self.steps: list[tuple[int, int, int]] = []  # (tokens, decode rows, context tokens read by decodes)
         self.prefill_ctx: list[tuple[int, int]] = []  # (query tokens, context tokens) per prefill chunk
-        self._orig = runner.execute
-        runner.execute = self
+        self._orig = runner.launch
+        runner.launch = self
 
     def __call__(self, sched, block_ids):
         dec = ctx = 0
@@ -136,10 +136,17 @@ def doctor_prediction(cfg: dict, ec) -> dict:
     return dict(torch_peak_bytes=plan.torch_peak_bytes, num_blocks=plan.num_blocks, verdict=plan.verdict)
 
 
-def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+def hf_config(cfg: dict):
+    from transformers import AutoConfig
 
-    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                      if k not in ("architectures", "model_type", "torch_dtype")})
+
+
+def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf_cfg = hf_config(cfg)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1)  # eos disabled
@@ -208,12 +215,137 @@ def section_throughput_u(results: dict) -> None:
 def section_bs1(results: dict) -> None:
     p, _ = workload(1, 3, LLAMA3_8B["vocab_size"], (512, 512), in_len=(128, 128))
     results["8b_bs1_in128_out512"] = run_vserve(LLAMA3_8B, p, [512], max_num_seqs=8, enforce_eager=False)
+    results["8b_bs1_in128_out128_hf_generate"] = hf_generate_bs1(LLAMA3_8B, p[0], 128)
+
+
+def hf_generate_bs1(cfg: dict, prompt: list[int], out_len: int) -> dict:
+    """The peer at batch 1: HF `generate`, greedy, dynamic cache (its static-cache compile path failed there)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = out.shape[1] - ids.shape[1]
+    del model
+    free_gpu()
+    return dict(seconds=dt, output_tokens=n, output_tok_s=n / dt)
+
+
+def section_smollm2(results: dict) -> None:
+    """The embedded SmolLM2 GGUF on the GPU in bf16, greedy, on the prompts whose CPU float32 tokens are in
+    benchmarks/smollm2_cpu_reference.json (compared, with logit gaps at any divergence, on the CPU after)."""
+    from vserve import LLM, SamplingParams
+
+    ref = json.loads((Path(__file__).parent / "smollm2_cpu_reference.json").read_text())
+    llm = LLM(os.environ["VSERVE_SMOLLM2_GGUF"], dtype="bfloat16", max_model_len=2048, skip_tokenizer_init=True)
+    outs = llm.generate(ref["prompt_ids"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    results["smollm2_gpu_bf16_tokens"] = got
+    results["smollm2_equal_to_cpu_fp32"] = [g == r for g, r in zip(got, ref["cpu_fp32_tokens"])]
+    del llm
+    free_gpu()
 
 
 def section_small(results: dict) -> None:
     for name, cfg in (("smollm2_shape", SMOLLM2), ("qwen2.5_0.5b_shape", QWEN25_05B)):
         p, _ = workload(256, 0, cfg["vocab_size"], (512, 512))
         results[f"{name}_out_512"] = run_vserve(cfg, p, [512] * 256, max_num_seqs=256, enforce_eager=False)
+
+
+def section_profile(results: dict, out: Path) -> None:
+    """Per-step wall times of the 8B U[100,1024] run by step kind, and a torch profile of 5 decode steps at full
+    batch: where a step's time goes (GPU kernels vs host) before tuning."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vserve import LLM, SamplingParams
+
+    p, o = workload(256, 0, LLAMA3_8B["vocab_size"], (100, 1024))
+    llm = LLM(model_dir(LLAMA3_8B), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_num_seqs=256, enforce_eager=False)
+    llm.generate(p[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng = llm.llm_engine
+    for i, (pr, n) in enumerate(zip(p, o)):
+        eng.add_request(str(i), pr, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True))
+    steps, i, prof = [], 0, None
+    torch.cuda.synchronize()
+    t_all = time.perf_counter()
+    while eng.has_unfinished_requests():
+        running = len(eng.scheduler.running)
+        if i == 200:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        eng.step(finished_only=True)
+        steps.append((time.perf_counter() - t0, eng.last_step_tokens, running))
+        if i == 204:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            (out / "profile_8b_decode.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+                + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+        i += 1
+    total = time.perf_counter() - t_all
+    dec = [s for s in steps if s[1] == s[2]]
+    mixed = [s for s in steps if s[1] != s[2]]
+    buckets = {}
+    for dt, tok, _ in dec:
+        buckets.setdefault(min(tok // 32 * 32, 256), []).append(dt)
+    results["profile_8b"] = dict(
+        seconds=total, steps=len(steps), decode_steps=len(dec), mixed_steps=len(mixed),
+        decode_s=sum(s[0] for s in dec), mixed_s=sum(s[0] for s in mixed),
+        decode_ms_by_batch={k: (len(v), 1e3 * sum(v) / len(v)) for k, v in sorted(buckets.items())},
+        first_steps_ms=[round(1e3 * s[0], 2) for s in steps[:12]], steps_200_210=[
+            (round(1e3 * s[0], 2), s[1]) for s in steps[200:210]])
+    del llm, eng, prof
+    free_gpu()
+
+
+def gpu_busy_fraction(cfg: dict, prompts, outs, first: int = 100, n: int = 20) -> dict:
+    """Steady-state decode: the fraction of wall time the GPU runs kernels, over n steps from step `first`
+    (CUDA activity tracing only, no host-op recording, so the host loop runs as it does unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vserve import LLM, SamplingParams
+
+    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=256)
+    eng = llm.llm_engine
+    for i, (pr, o) in enumerate(zip(prompts, outs)):
+        eng.add_request(str(i), pr, SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True))
+    for _ in range(first):
+        eng.step(finished_only=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step(finished_only=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    running = len(eng.scheduler.running)
+    del llm, eng, prof
+    free_gpu()
+    return dict(steps=n, wall_s=wall, gpu_kernel_s=busy, busy_fraction=busy / wall, batch=running)
+
+
+def section_small_peer(results: dict) -> None:
+    """Small shapes, 256 requests, prompts U[100,1024], 128 new tokens each (a shorter run than section small's
+    512, so HF `generate_batch` fits the device time): vserve and HF in the same run, and vserve's GPU busy
+    fraction in steady decode."""
+    for name, cfg in (("smollm2_shape", SMOLLM2), ("qwen2.5_0.5b_shape", QWEN25_05B)):
+        p, _ = workload(256, 0, cfg["vocab_size"], (128, 128))
+        results[f"{name}_out_128"] = run_vserve(cfg, p, [128] * 256, max_num_seqs=256, enforce_eager=False)
+        results[f"{name}_out_128_hf_generate_batch"] = hf_generate_batch(cfg, p, 128)
+        results[f"{name}_busy"] = gpu_busy_fraction(cfg, p, [128] * 256, first=40)
 
 
 STARTUP = """
@@ -250,6 +382,8 @@ def main() -> None:
         try:
             if name == "throughput":
                 section_throughput(results, args.hf_peer)
+            elif name == "profile":
+                section_profile(results, out)
             else:
                 globals()[f"section_{name}"](results)
         except Exception as e:  # keep the other sections' numbers

@@ -56,6 +56,8 @@ ENGINE_FLAGS = (
     EngineFlag("max_num_batched_tokens", int, "Token budget of one step"),
     EngineFlag("gpu_memory_utilization", float, "Fraction of GPU memory to use, in (0, 1]"),
     EngineFlag("enforce_eager", bool, "Never capture CUDA graphs", decls=("--enforce-eager",)),
+    EngineFlag("async_scheduling", bool, "Schedule and build step N+1 while the GPU runs step N (outputs lag one "
+               "step)", "on for one CUDA GPU, off on CPU and under TP/PP"),
     EngineFlag("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes"),
     EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
     EngineFlag("quantization", str, "Quantization method (none is implemented yet)"),

@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for one CUDA GPU (overlap host work with the GPU step)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     quantization: str | None = None
@@ -73,6 +74,8 @@ class EngineConfig:
             raise bad("nnodes", f"a divisor of tensor x pipeline parallel size ({world})")
         if not 0 <= self.node_rank < self.nnodes:
             raise bad("node_rank", f"in [0, {self.nnodes})")
+        if self.async_scheduling and world > 1:
+            raise bad("async_scheduling", "off with tensor or pipeline parallelism (not supported there yet)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise bad("master_port", "in 1..65535")
         if self.nnodes > 1 and self.master_port is None:

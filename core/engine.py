@@ -19,6 +19,7 @@ from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_config import ModelConfig
 from vserve.core.model_runner import ModelRunner
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from vserve.core.sampler import SampledTokens
 from vserve.core.sampling_params import SamplingParams
 from vserve.core.scheduler import Scheduler
 
@@ -155,6 +156,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager or multi)
+        self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self.in_flight: tuple[list[Request], SampledTokens] | None = None  # launched, tokens not yet processed
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.parents: dict[str, list[Request]] = {}
@@ -268,21 +272,50 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """schedule -> run -> sample -> append and check stops -> outputs of requests that changed (or, with
-        finished_only, of those that finished: offline batches need no per-step outputs)."""
+        finished_only, of those that finished: offline batches need no per-step outputs).
+
+        With async scheduling the step is launched and the previous step's tokens are processed while it runs,
+        so the host's work overlaps the device's; a step's outputs come back from the next call. A request that
+        stopped in the step before may have been scheduled once more: that token is dropped."""
         if self.failure is not None:
             raise self.failure
         self.last_finished = {}
+        outs: list[RequestOutput] = []
+        if self.in_flight is not None and not self._can_overlap():
+            outs += self._process(self.in_flight, finished_only)
+            self.in_flight = None
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_tokens
         if sched.is_empty():
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
-            return []
+            if self.in_flight is None and not outs:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
+                return []
+            launched = None
+        else:
+            launched = self._launch(sched)
+        prev, self.in_flight = self.in_flight, launched
+        if prev is not None:
+            outs += self._process(prev, finished_only)
+        if not self.async_scheduling and self.in_flight is not None:
+            outs += self._process(self.in_flight, finished_only)
+            self.in_flight = None
+        return outs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is processed: not when a request's
+        sampling reads its own latest tokens (penalties, min_tokens, logit bias) or wants logprobs."""
+        if not self.async_scheduling:
+            return False
+        return not any(r.sampling_params.needs_logit_processing or r.sampling_params.logprobs is not None
+                       for r in self.scheduler.running)
+
+    def _launch(self, sched) -> tuple[list[Request], SampledTokens | None]:
         block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
         for r, n in zip(sched.requests, sched.num_scheduled_tokens):
             self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
         try:
-            reqs, sampled = self.runner.execute(sched, block_ids)
+            reqs, sampled = self.runner.launch(sched, block_ids)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -290,9 +323,23 @@ class LLMEngine:
             self.shutdown(graceful=False)
             raise self.failure from e
         self.scheduler.update_after_step(sched)
+        for req in reqs:
+            req.num_pending += 1
+        return reqs, sampled
+
+    def _process(self, launched: tuple[list[Request], SampledTokens | None],
+                 finished_only: bool) -> list[RequestOutput]:
+        """Append a launched step's tokens (waiting for them), check stops, and make the outputs."""
+        reqs, sampled = launched
+        if sampled is None:
+            return []
+        out = sampled.resolve()
         now = time.monotonic()
         changed: dict[str, None] = {}
-        for req, token, lp in zip(reqs, sampled.token_ids, sampled.logprobs):
+        for req, token, lp in zip(reqs, out.token_ids, out.logprobs):
+            req.num_pending -= 1
+            if req.status.finished:  # stopped by the step before, or aborted, while this one ran
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             req.append_token(token)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, get_rank, get_tp_size, isend, recv
 from vserve.core.layers.attention import AttentionMetadata
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
-from vserve.core.sampler import Sampler, SamplerOutput
+from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
 from vserve.core.scheduler import SchedulerOutput
 
 
@@ -36,6 +38,10 @@ class StepInputs:
     num_decodes: int
     cu_seqlens_q: torch.Tensor
     sample_rows: torch.Tensor
+    # Async scheduling: rows whose input token was sampled by the step before and is still on the device, and
+    # where it sits in that step's sampled tokens (filled in on the device, see run_step).
+    pending_rows: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -51,6 +57,11 @@ class ModelRunner:
         self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
         self.pin = device.type == "cuda"
+        self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers for to_device, in turn
+        self._turn = 0
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (on the device)
+        self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not enforce_eager:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
@@ -62,11 +73,6 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
-
-    def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        if self.pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
 
     # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------
     @torch.inference_mode()
@@ -111,44 +117,87 @@ class ModelRunner:
         """Flatten the step into CPU tensors, and which requests sample.
 
         Requests come decodes first (one token each), then prefill chunks; a request samples when this
-        step reaches its last known token (a prefill chunk short of that only fills the cache)."""
+        step reaches its last known token (a prefill chunk short of that only fills the cache). Built with
+        numpy: at 256 decoding requests this is the host work of every step."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        context_lens: list[int] = []
-        cu_seqlens = [0]
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        num_decodes = 0
-        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
-            start = req.num_computed_tokens
-            end = start + n
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            context_lens.append(end)
-            if n == 1 and num_decodes == len(context_lens) - 1:
+        reqs, nums = sched.requests, sched.num_scheduled_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        sample_idx = [i for i, (r, s, n) in enumerate(zip(reqs, starts, nums))
+                      if s + n == r.num_tokens + r.num_pending]
+        sample_reqs = [reqs[i] for i in sample_idx]
+        # A decode whose input token is still on the device (async scheduling) reads it from the last step's
+        # sampled tokens; its host id here is a placeholder.
+        pending = [i for i, (r, s) in enumerate(zip(reqs, starts)) if s == r.num_tokens]
+        if max(nums) == 1:  # pure decode: one token per request
+            num_decodes = len(reqs)
+            input_ids = np.fromiter((r.all_token_ids[s] if s < r.num_tokens else 0 for r, s in zip(reqs, starts)),
+                                    np.int64, len(reqs))
+            pos = np.array(starts, dtype=np.int64)
+            seq_of_token = np.arange(len(reqs))
+            context_lens = pos + 1
+            cu_seqlens = np.zeros(1, dtype=np.int64)
+            sample_rows = np.array(sample_idx, dtype=np.int64)
+        else:
+            num_decodes = 0
+            while num_decodes < len(nums) and nums[num_decodes] == 1:
                 num_decodes += 1
-            else:
-                cu_seqlens.append(cu_seqlens[-1] + n)
-            if end == req.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(req)
-        max_blocks = max(len(b) for b in block_ids)
-        table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_ids], dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(block_ids)),
-                                               torch.tensor(sched.num_scheduled_tokens))
+            input_ids = np.fromiter(itertools.chain.from_iterable(
+                r.all_token_ids[s:s + n] if s < r.num_tokens else (0,) for r, s, n in zip(reqs, starts, nums)),
+                np.int64, sum(nums))
+            counts = np.array(nums, dtype=np.int64)
+            ends = np.cumsum(counts)
+            seq_of_token = np.repeat(np.arange(len(reqs)), counts)
+            pos = np.arange(len(input_ids), dtype=np.int64) - (ends - counts)[seq_of_token] + \
+                np.array(starts, dtype=np.int64)[seq_of_token]
+            context_lens = np.array(starts, dtype=np.int64) + counts
+            cu_seqlens = np.concatenate([[0], np.cumsum(counts[num_decodes:])]).astype(np.int64)
+            sample_rows = ends[sample_idx] - 1 if sample_idx else np.zeros(0, dtype=np.int64)
+        table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
+        for i, blocks in enumerate(block_ids):
+            table[i, :len(blocks)] = blocks
         slots = table[seq_of_token, pos // bs] * bs + pos % bs
-        step = StepInputs(torch.tensor(input_ids, dtype=torch.long), pos, slots, table,
-                          torch.tensor(context_lens, dtype=torch.long), num_decodes,
-                          torch.tensor(cu_seqlens, dtype=torch.long), torch.tensor(sample_rows, dtype=torch.long))
+        t = torch.from_numpy
+        step = StepInputs(t(input_ids), t(pos), t(slots), t(table), t(context_lens), num_decodes, t(cu_seqlens),
+                          t(np.ascontiguousarray(sample_rows, dtype=np.int64)))
+        if pending:  # rows are decodes, so a row index is also its token index
+            assert all(nums[i] == 1 for i in pending), "only a decode's input token can be in flight"
+            step.pending_rows = torch.tensor(pending, dtype=torch.long)
+            step.pending_src = torch.tensor([self.last_rows[reqs[i].request_id] for i in pending], dtype=torch.long)
         return step, sample_reqs
 
     def to_device(self, s: StepInputs):
-        dev = self._dev
-        md = AttentionMetadata(dev(s.slot_mapping), dev(s.block_tables), dev(s.context_lens), s.num_decodes,
-                               dev(s.cu_seqlens_q))
-        return dev(s.input_ids), dev(s.positions), md, dev(s.sample_rows)
+        """The step's inputs on the model's device. On CUDA: packed into one pinned buffer (two, used in turn)
+        and copied in one non-blocking transfer."""
+        parts = [s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.context_lens, s.cu_seqlens_q,
+                 s.sample_rows]
+        if s.pending_rows is not None:
+            parts += [s.pending_rows, s.pending_src]
+        if not self.pin:
+            moved = [x.to(self.device) for x in parts]
+        else:
+            total = sum(x.numel() + 1 for x in parts)  # each part starts 16-byte aligned (see below)
+            self._turn ^= 1
+            if self._copied[self._turn] is not None:
+                self._copied[self._turn].synchronize()  # the buffer's last transfer has left it
+            buf = self._staging[self._turn]
+            if buf is None or buf.numel() < total:
+                buf = self._staging[self._turn] = torch.empty(max(total, 2 * (buf.numel() if buf is not None else 0),
+                                                                  1 << 16), dtype=torch.long).pin_memory()
+            views, offset = [], 0
+            for x in parts:
+                n = x.numel()
+                buf[offset:offset + n].copy_(x.reshape(-1))
+                views.append((offset, n, x.shape))
+                offset += n + (n & 1)  # Triton specializes kernels on pointer alignment: keep it fixed
+            flat = buf[:total].to(self.device, non_blocking=True)
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+            moved = [flat[o:o + n].view(shape) for o, n, shape in views]
+        ids, pos, slots, bt, ctx, cu, rows = moved[:7]
+        if s.pending_rows is not None:
+            ids[moved[7]] = self.last_tokens[moved[8]]
+        md = AttentionMetadata(slots, bt, ctx, s.num_decodes, cu)
+        return ids, pos, md, rows
 
     def run_step(self, step: StepInputs | list[StepInputs]) -> torch.Tensor | None:
         """Forward one step (under PP: its micro-batches); the logits of its sampling rows (None when no row
@@ -203,6 +252,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
+        """Run one step and wait for its tokens."""
+        reqs, sampled = self.launch(sched, block_ids)
+        return reqs, sampled.resolve() if sampled is not None else SamplerOutput([], [])
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SampledTokens | None]:
+        """Queue one step on the device and return without waiting: the requests that sample and their tokens
+        (None when no row samples). Under TP/PP the step is broadcast to the other ranks first."""
         if get_pp_size() > 1:
             step, reqs = self._micro_batches(sched, block_ids)
         else:
@@ -211,8 +268,11 @@ class ModelRunner:
             broadcast_object(step)  # the other ranks run the same step on their shards
         logits = self.run_step(step)
         if logits is None:
-            return [], SamplerOutput([], [])
-        return reqs, self.sampler(logits, reqs)
+            return [], None
+        sampled = self.sampler.sample(logits, reqs)
+        self.last_tokens = sampled.tokens
+        self.last_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        return reqs, sampled
 
 
 @torch.inference_mode()

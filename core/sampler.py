@@ -29,6 +29,26 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens still on the device. On CUDA their copy to pinned host memory is queued right
+    behind the sampling kernels, so resolve() waits for this step only, not for a step launched after it."""
+
+    tokens: torch.Tensor  # [rows] on the logits' device
+    raw_logprobs: torch.Tensor | None
+    params: list
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def resolve(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+            token_ids = self.host.tolist()
+        else:
+            token_ids = self.tokens.tolist()
+        return SamplerOutput(token_ids, Sampler._logprobs(self.raw_logprobs, token_ids, self.params))
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     """In place, row i for reqs[i]: logit_bias, min_tokens, repetition/frequency/presence penalties."""
     V = logits.shape[1]
@@ -53,24 +73,29 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top_k (0 = off), top_p (1 = off) and min_p (0 = off) exclude, row-wise."""
+def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      min_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) what top_k (0 = off), top_p (1 = off) and min_p (0 = off) exclude, row-wise.
+
+    A None argument means the filter is off for every row (the caller knows from the requests' parameters, so
+    no device tensor is read back to find out)."""
     V = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if top_k is not None or top_p is not None:
         sorted_logits, _ = logits.sort(dim=-1, descending=True)
-        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-        if bool((top_p < 1).any()):
-            probs = sorted_logits.masked_fill(sorted_logits < kth, float("-inf")).softmax(-1)
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if top_p is not None:
+            probs = sorted_logits.softmax(-1)
             # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
             cum_before = probs.cumsum(-1) - probs
             keep = cum_before < top_p.unsqueeze(1)
             keep[:, 0] = True
             cutoff = sorted_logits.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
             logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    if bool((min_p > 0).any()):
+    if min_p is not None:
         probs = logits.softmax(-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
@@ -78,6 +103,9 @@ def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 class Sampler:
+    """Samples on the logits' device. Which filters run is decided from the requests' parameters on the host,
+    so a step reads nothing back from the GPU but the sampled tokens (one copy at the end)."""
+
     def __init__(self, seed: int = 0) -> None:
         self.generator: torch.Generator | None = None
         self.seed = seed
@@ -87,44 +115,70 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
-        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-        logits = logits.clone()
-        apply_penalties(logits, reqs)
+    @staticmethod
+    def _column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t
 
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        return self.sample(logits, reqs).resolve()
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledTokens:
+        """Launch the sampling of one step; nothing waits for the device."""
         params = [r.sampling_params for r in reqs]
-        greedy = torch.tensor([sp.greedy for sp in params], device=logits.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temp = torch.tensor([sp.temperature if not sp.greedy else 1.0 for sp in params],
-                                device=logits.device, dtype=logits.dtype)
-            scaled = logits / temp.unsqueeze(1)
+        dev = logits.device
+        raw_logprobs = logits.log_softmax(-1) if any(sp.logprobs is not None for sp in params) else None
+        if any(sp.needs_logit_processing for sp in params):
+            logits = logits.clone()
+            apply_penalties(logits, reqs)
+
+        greedy = [sp.greedy for sp in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
+            scaled = logits
+            if any(t != 1.0 for t in temps):
+                scaled = logits / self._column(temps, dev, logits.dtype).unsqueeze(1)
+            top_k = [0 if g else sp.top_k for g, sp in zip(greedy, params)]
+            top_p = [1.0 if g else sp.top_p for g, sp in zip(greedy, params)]
+            min_p = [0.0 if g else sp.min_p for g, sp in zip(greedy, params)]
             scaled = top_k_top_p_min_p(
                 scaled,
-                torch.tensor([sp.top_k for sp in params], device=logits.device),
-                torch.tensor([sp.top_p for sp in params], device=logits.device, dtype=logits.dtype),
-                torch.tensor([sp.min_p for sp in params], device=logits.device, dtype=logits.dtype),
+                self._column(top_k, dev, torch.long) if any(k > 0 for k in top_k) else None,
+                self._column(top_p, dev, logits.dtype) if any(p < 1 for p in top_p) else None,
+                self._column(min_p, dev, logits.dtype) if any(m > 0 for m in min_p) else None,
             )
             probs = scaled.softmax(-1)
             # Inverse-CDF draw: one uniform per row, from the request's own generator when seeded (so its
             # tokens do not depend on the batch), else from the engine's; (0, 1] so a zero-mass token at the
             # start is never picked.
-            u = torch.empty(len(reqs), device=logits.device, dtype=probs.dtype)
-            glob = self._global_generator(logits.device)
-            free = [i for i, r in enumerate(reqs) if r.generator is None]
-            if free:
-                u[free] = torch.rand(len(free), generator=glob, device=logits.device, dtype=probs.dtype)
+            glob = self._global_generator(dev)
             seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
-            if seeded:  # per-request generators live on the CPU: one draw each, one copy for all
+            if not seeded:
+                u = torch.rand(len(reqs), generator=glob, device=dev, dtype=probs.dtype)
+            else:
+                u = torch.empty(len(reqs), device=dev, dtype=probs.dtype)
+                free = [i for i, r in enumerate(reqs) if r.generator is None]
+                if free:
+                    u[free] = torch.rand(len(free), generator=glob, device=dev, dtype=probs.dtype)
+                # per-request generators live on the CPU: one draw each, one copy for all
                 draws = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in seeded])
-                u[seeded] = draws.to(device=logits.device, dtype=probs.dtype)
+                u[seeded] = draws.to(device=dev, dtype=probs.dtype)
             cdf = probs.cumsum(-1)
             target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
-            sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
-            tokens = torch.where(greedy, tokens, sampled)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, params))
+            tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
+            if any(greedy):
+                tokens = torch.where(self._column(greedy, dev, torch.bool), logits.argmax(dim=-1), tokens)
+        out = SampledTokens(tokens, raw_logprobs, params)
+        if dev.type == "cuda":
+            out.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            out.host.copy_(tokens, non_blocking=True)
+            out.event = torch.cuda.Event()
+            out.event.record()
+        return out
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, token_ids: list[int], params) -> list:

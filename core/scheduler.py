@@ -49,11 +49,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
 
-        # 1. Running requests, oldest first; the newest is preempted when blocks run out.
+        # 1. Running requests, oldest first; the newest is preempted when blocks run out. Under async scheduling
+        # a request's token sampled by the step in flight counts as known (num_pending); one that will then
+        # have reached its length limit is not scheduled again.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
+                                    or req.num_tokens + req.num_pending >= self.max_model_len):
+                i += 1
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -70,6 +76,8 @@ class Scheduler:
         # 2. Waiting requests, in arrival order, while nothing was preempted this step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: admit it once that token is appended
+                break
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)

@@ -67,7 +67,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 # ---------------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for each of "== 1", "divisible by 16", "other" and stall a step on the compile).
+@triton.jit(do_not_specialize=["stride_btb", "NUM_SPLITS"])
 def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, qk_scale,
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                              stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
@@ -81,6 +83,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     start = split * PARTITION
+    if not SINGLE and start >= ctx:
+        return  # past the sequence's end: the reduce reads only the partitions that hold tokens
     end = tl.minimum(start + PARTITION, ctx)
 
     g = tl.arange(0, GROUP_P)
@@ -113,18 +117,18 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SINGLE:  # one partition covers every sequence: normalize and write the output here
+    if SINGLE or ctx <= PARTITION:  # this sequence has one partition: normalize and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context (a padded row) gives zeros
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gmask[:, None] & dmask[None, :])
-    else:  # partials [B, H, NUM_SPLITS(, D)]; an empty partition writes m=-inf, l=0, acc=0
+    else:  # partials [B, H, NUM_SPLITS(, D)], combined by the reduce kernel
         row = (b * H + heads) * NUM_SPLITS + split
         tl.store(m_ptr + row, m_i, mask=gmask)
         tl.store(l_ptr + row, l_i, mask=gmask)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, H, D, NUM_SPLITS,
                           PARTITION: tl.constexpr, SPLITS_P: tl.constexpr, SPLIT_TILE: tl.constexpr,
                           BLOCK_D: tl.constexpr):
@@ -132,6 +136,8 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
+    if ctx <= PARTITION and ctx > 0:
+        return  # one partition: the partition kernel wrote the output
     n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
     base = (b * H + h) * NUM_SPLITS
     s = tl.arange(0, SPLITS_P)
@@ -156,20 +162,24 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens -> [B, H, d].
 
     Split-KV: the context is cut into partitions of partition_size tokens (a multiple of block_n); the number of
-    partitions comes from block_tables' width (no host sync), partitions past a sequence's end do no work, and a
-    small reduce kernel combines the partials. A row with context_len 0 gives zeros. Defaults (from a sweep on an
-    H200): 512-token partitions, 256 when B * kvh < 64 (more programs for small batches); KV tiles of 64 tokens,
-    128 for head dims <= 64.
+    partitions comes from block_tables' width (no host sync), partitions past a sequence's end return at once, a
+    sequence that fits one partition is finished by its partition's program, and a small reduce kernel combines
+    the partials of the others. A row with context_len 0 gives zeros. Defaults (sweeps on an H200, bf16, mixed
+    context lengths, block tables as wide as the CUDA graphs capture them: benchmarks/decode_sweep.py): 256-token
+    partitions when B * kvh < 64 (more programs for small batches), 512 below 512 programs, 2048 from there (a
+    long partition per program when the batch alone fills the GPU); KV tiles of 64 tokens, 128 for head dims
+    <= 64; 2 pipeline stages.
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
     _, bs, kvh, _ = k_cache.shape
     assert H % kvh == 0, (H, kvh)
-    partition_size = partition_size or (256 if B * kvh < 64 else 512)
+    partition_size = partition_size or (256 if B * kvh < 64 else 512 if B * kvh < 512 else 2048)
+    num_stages = num_stages or 2
     block_n = block_n or min(128 if d <= 64 else 64, partition_size)
     assert partition_size % block_n == 0 and block_n >= 16, (partition_size, block_n)
     group = H // kvh
@@ -192,7 +202,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), H, num_splits,
         D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     if not single:
         splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
@@ -249,7 +259,7 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cu_ptr", "ctx_ptr", "bt_ptr", "stride_btb", "num_seqs"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_scale, stride_qt, stride_qh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ot,
                     stride_oh, num_seqs, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,

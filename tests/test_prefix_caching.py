@@ -13,17 +13,17 @@ def _run_two(llm, shared, tail_a, tail_b):
     engine = llm.llm_engine
     runner = engine.runner
     computed = []
-    orig = runner.execute
+    orig = runner.launch
 
     def spy(sched, block_ids):
         computed.append(sched.total_tokens)
         return orig(sched, block_ids)
 
-    runner.execute = spy
+    runner.launch = spy
     try:
         second = llm.generate([shared + tail_b], sp)[0]
     finally:
-        runner.execute = orig
+        runner.launch = orig
     return first, second, computed
 
 
