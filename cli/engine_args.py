@@ -14,7 +14,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vserve.core.config import BLOCK_SIZES, DTYPES, LOAD_FORMATS, EngineConfig  # plain dataclass, no torch
+from vserve.core.config import (  # plain dataclass, no torch
+    BLOCK_SIZES,
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    EngineConfig,
+)
 
 err_console = Console(stderr=True)
 PANEL = "Engine options"
@@ -60,7 +66,8 @@ ENGINE_FLAGS = (
                "step)", "on for one CUDA GPU, off on CPU and under TP/PP"),
     EngineFlag("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes"),
     EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
-    EngineFlag("quantization", str, "Quantization method (none is implemented yet)"),
+    EngineFlag("quantization", str, f"{' | '.join(QUANTIZATION_METHODS)}: the checkpoint's quantization "
+               "(docs/quantization.md)", "from config.json's quantization_config"),
     EngineFlag("load_format", str, f"{' | '.join(LOAD_FORMATS)}; dummy: random weights"),
     EngineFlag("seed", int, "Random seed (generate also seeds each request with it)"),
     EngineFlag("tensor_parallel_size", int, "GPUs to shard each layer over", decls=("--tensor-parallel-size", "-tp")),

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# --quantization: the layout the checkpoint holds (fp8 and int8 read compressed-tensors' float/int-quantized)
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "compressed-tensors")
 
 
 @dataclass
@@ -26,7 +28,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on for one CUDA GPU (overlap host work with the GPU step)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    quantization: str | None = None
+    quantization: str | None = None  # None: from config.json's quantization_config
     load_format: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -80,8 +82,8 @@ class EngineConfig:
             raise bad("master_port", "in 1..65535")
         if self.nnodes > 1 and self.master_port is None:
             raise bad("master_port", "set when --nnodes > 1")
-        if self.quantization is not None:
-            raise bad("quantization", "unset (quantized serving is not implemented yet)")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise bad("quantization", f"one of {', '.join(QUANTIZATION_METHODS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "auto, cpu or cuda")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -99,8 +101,9 @@ class EngineConfig:
         """Merge defaults < profile < flags (None in flags means 'not given').
 
         profile: a dict of values, or a vserve.profiles.settings.ProfileSettings; when None and flags name a
-        --profile, that profile's settings for flags' model. A profile value the engine does not support
-        (tensor parallelism, quantization) is not applied: its source says what the profile recommends, and why.
+        --profile, that profile's settings for flags' model. A profile value the engine does not support is not
+        applied: its source says what the profile recommends, and why. Nor is a recommended quantization: it
+        names a kind of checkpoint to serve, and the flag must match the checkpoint.
         """
         names = {f.name for f in fields(cls)} - {"sources"}
         unknown = set(flags) - names
@@ -117,6 +120,9 @@ class EngineConfig:
         values, sources = {}, {n: "default" for n in names}
         for name, value in items.items():
             if name not in names:
+                continue
+            if name == "quantization" and value is not None:  # a checkpoint's layout, not an engine setting
+                sources[name] = f"default ({label} recommends {value}; serve a checkpoint quantized with it)"
                 continue
             why = cls._unsupported(name, value)
             if why is None:

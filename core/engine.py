@@ -87,7 +87,7 @@ def load_model(config: EngineConfig, device: torch.device):
     """(model config, path, format, dtype, model): this rank's shard of the weights."""
     path, fmt, mc = model_source(config)
     dtype = _pick_dtype(config.dtype, mc, device)
-    return mc, path, fmt, dtype, build_model(mc, path, fmt, dtype, device, config.seed)
+    return mc, path, fmt, dtype, build_model(mc, path, fmt, dtype, device, config.seed, config.quantization)
 
 
 class LLMEngine:
@@ -120,7 +120,7 @@ class LLMEngine:
             Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
             config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
-        self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed)
+        self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed, config.quantization)
 
         bs, tp = config.block_size, config.tensor_parallel_size
         multi = tp * config.pipeline_parallel_size > 1
@@ -138,6 +138,7 @@ class LLMEngine:
         # One planner for the engine and `vserve doctor`; here it is fed what was measured.
         self.memory_plan = plan_memory(
             mc, gpu_memory_bytes=measured.pop("gpu_memory_bytes", None), dtype_bytes=self.dtype.itemsize,
+            quantization=getattr(self.model, "quant_config", None),
             tensor_parallel_size=tp, block_size=bs, max_model_len=self.max_model_len,
             max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,

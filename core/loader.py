@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vserve.core.distributed import get_pp_size
+from vserve.core.layers.quantization import QuantConfig
 from vserve.core.model_config import ModelConfig
 from vserve.core.models import get_model_class
 from vserve.core.progress import progress_bar
@@ -93,6 +94,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
+    quantized = getattr(model, "quant_config", None) is not None
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
@@ -110,6 +112,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if pname not in params:
             if get_pp_size() > 1 and not _on_this_stage(model, pname):
                 continue  # another pipeline stage holds it
+            if quantized and _spare_quant_tensor(name, tensor):
+                continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         param = params[pname]
         loader = getattr(param, "weight_loader", None)
@@ -128,6 +132,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
 
 
+def _spare_quant_tensor(name: str, tensor: torch.Tensor) -> bool:
+    """Tensors quantized checkpoints carry that change nothing: AutoGPTQ's zero biases of bias-free layers (vLLM
+    skips them too), compressed-tensors' zero points of symmetric weights and the unpacked shape it records."""
+    if name.endswith(".weight_shape"):
+        return True
+    return name.endswith((".bias", ".weight_zero_point")) and not bool(tensor.any())
+
+
 def _on_this_stage(model: nn.Module, name: str) -> bool:
     mod = model
     for part in name.split(".")[:-1]:
@@ -141,8 +153,19 @@ def _on_this_stage(model: nn.Module, name: str) -> bool:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights (for benchmarks), drawn on the parameters' own device."""
-    for i, (name, p) in enumerate(model.named_parameters()):
+    """Random weights (for benchmarks), drawn on the parameters' own device; quantized layers get random valid
+    codes and scales from their quant method."""
+    params = list(model.named_parameters())
+    index = {id(p): i for i, (_, p) in enumerate(params)}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        quantized = [p for p in module.parameters(recurse=False) if getattr(p, "quantized", False)]
+        if quantized:
+            g = torch.Generator(device=quantized[0].device).manual_seed(seed + index[id(quantized[0])])
+            method.init_dummy(module, g)
+    for i, (name, p) in enumerate(params):
+        if getattr(p, "quantized", False):
+            continue
         if "norm" in name:
             p.data.fill_(1.0)
         else:
@@ -150,19 +173,44 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             p.data.normal_(0.0, 0.02, generator=g)
 
 
+def resolve_quantization(quantization: str | None, cfg: ModelConfig, fmt: str,
+                         device: torch.device | None = None) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json's quantization_config), checked against --quantization; and
+    whether this device runs it."""
+    if fmt == "gguf":
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} does not apply to GGUF files (vserve dequantizes "
+                             f"their tensors at load)")
+        return None
+    qc = QuantConfig.resolve(quantization, cfg.raw, dummy=fmt == "dummy")
+    if qc is not None and device is not None and device.type == "cuda" and qc.kind == "fp8":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"FP8 weights need a GPU of compute capability >= 8.9 (Ada, Hopper or newer); "
+                             f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}; serve an AWQ, GPTQ "
+                             f"or INT8 checkpoint instead")
+    return qc
+
+
 def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> nn.Module:
+                seed: int = 0, quantization: str | None = None) -> nn.Module:
+    """This rank's model with its weights loaded. quantization: --quantization (None: from config.json); the
+    model's `quant_config` holds what was resolved (None: full-precision weights)."""
+    quant = resolve_quantization(quantization, cfg, fmt, device)
     try:
         with _default_dtype(dtype), torch.device(device):
-            model = get_model_class(cfg)(cfg)
+            model = get_model_class(cfg)(cfg, quant)
     except torch.OutOfMemoryError:
         from vserve.core.memory import fmt_bytes
 
-        with torch.device("meta"):
-            n = sum(p.numel() for p in get_model_class(cfg)(cfg).parameters())
+        with _default_dtype(dtype), torch.device("meta"):
+            params = list(get_model_class(cfg)(cfg, quant).parameters())
+        n, size = sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
         total = torch.cuda.get_device_properties(device).total_memory
+        held = f"{n / 1e9:.1f}B parameters, {fmt_bytes(size)} in {dtype}" if quant is None else \
+            f"{fmt_bytes(size)}, {quant.describe()}"
         raise ValueError(
-            f"the model's weights ({n / 1e9:.1f}B parameters, {fmt_bytes(n * dtype.itemsize)} in {dtype}) do not "
+            f"the model's weights ({held}) do not "
             f"fit on {device} ({fmt_bytes(total)} in all, some held by other processes); use a quantized "
             f"checkpoint or more GPUs") from None
     if fmt == "dummy":

@@ -34,19 +34,24 @@ class QuantSpec:
     group_size: int | None  # None: one scale per output channel
     zeros: bool  # asymmetric: a zero point per group, packed at `bits` (AWQ, GPTQ)
     scale_bytes: int = 2
+    g_idx: bool = False  # GPTQ: an int32 group index per input channel
+    act_order: bool = False  # GPTQ desc_act: row-parallel ranks keep every group (their inputs span all groups)
 
 
 QUANTIZATIONS = {
     "awq": QuantSpec("awq", 4, 128, True),
-    "gptq": QuantSpec("gptq", 4, 128, True),
+    "gptq": QuantSpec("gptq", 4, 128, True, g_idx=True),
     "fp8": QuantSpec("fp8", 8, None, False, 4),
     "int8": QuantSpec("int8", 8, None, False, 4),
 }
 
 
-def quant_spec(quantization: str | QuantSpec | None) -> QuantSpec | None:
+def quant_spec(quantization) -> QuantSpec | None:
+    """A method name, a QuantSpec, or a loaded checkpoint's QuantConfig (model.quant_config: its exact layout)."""
     if quantization is None or isinstance(quantization, QuantSpec):
         return quantization
+    if hasattr(quantization, "memory_spec"):
+        return quantization.memory_spec()
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     return QUANTIZATIONS[quantization]
@@ -70,19 +75,19 @@ def kv_heads_per_rank(m: ModelConfig, tp: int = 1) -> int:
     return max(1, m.num_key_value_heads // tp)
 
 
-def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int]]:
-    """(in_features, out_features, how many) of one rank's quantizable linear layers."""
+def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int, bool]]:
+    """(in_features, out_features, how many, row-parallel) of one rank's quantizable linear layers."""
     H, L = m.hidden_size, m.num_hidden_layers
     q = m.num_attention_heads // tp * m.head_dim
     kv = kv_heads_per_rank(m, tp) * m.head_dim
-    layers = [(H, q + 2 * kv, L), (q, H, L)]
+    layers = [(H, q + 2 * kv, L, False), (q, H, L, True)]
     moe = moe_shape(m)
     mlps = [(m.intermediate_size, L)] if moe is None else [(moe.intermediate_size, L * moe.num_experts)]
     if moe is not None and moe.shared_intermediate_size:
         mlps.append((moe.shared_intermediate_size, L))
     for inter, n in mlps:
         i = _cdiv(inter, tp)
-        layers += [(H, 2 * i, n), (i, H, n)]  # gate_up (column-parallel), down (row-parallel)
+        layers += [(H, 2 * i, n, False), (i, H, n, True)]  # gate_up (column-parallel), down (row-parallel)
     return layers
 
 
@@ -102,7 +107,7 @@ def _other_params(m: ModelConfig, tp: int) -> int:
 
 def num_params(m: ModelConfig) -> int:
     """Parameters of the whole model (tensor-parallel size 1)."""
-    return sum(i * o * n for i, o, n in _linear_layers(m, 1)) + _other_params(m, 1)
+    return sum(i * o * n for i, o, n, _ in _linear_layers(m, 1)) + _other_params(m, 1)
 
 
 def weights_bytes(m: ModelConfig, dtype_bytes: int, quantization: str | QuantSpec | None = None,
@@ -110,13 +115,14 @@ def weights_bytes(m: ModelConfig, dtype_bytes: int, quantization: str | QuantSpe
     """One rank's weights: linear layers at the quantization's bits plus its scales and zeros, the rest in dtype."""
     spec = quant_spec(quantization)
     total = _other_params(m, tensor_parallel_size) * dtype_bytes
-    for fin, fout, n in _linear_layers(m, tensor_parallel_size):
+    for fin, fout, n, row in _linear_layers(m, tensor_parallel_size):
         if spec is None:
             total += n * fin * fout * dtype_bytes
             continue
-        groups = fout * (1 if spec.group_size is None else _cdiv(fin, spec.group_size))
+        grouped_in = fin * tensor_parallel_size if spec.act_order and row else fin
+        groups = fout * (1 if spec.group_size is None else _cdiv(grouped_in, spec.group_size))
         meta = groups * spec.scale_bytes + (groups * spec.bits // 8 if spec.zeros else 0)
-        total += n * (fin * fout * spec.bits // 8 + meta)
+        total += n * (fin * fout * spec.bits // 8 + meta + (4 * fin if spec.g_idx else 0))
     return total
 
 

@@ -10,22 +10,23 @@ from functools import cache
 from types import SimpleNamespace
 
 _NAMES = ("store_kvcache", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm",
-          "silu_and_mul", "rotary_embedding", "fused_moe")
+          "silu_and_mul", "rotary_embedding", "fused_moe", "w4a16_gemm", "per_token_quant", "fp8_linear",
+          "int8_linear")
 
 
 @cache
 def _reference() -> SimpleNamespace:
-    from vserve.kernels import moe_ref, ops_ref, paged_attention
+    from vserve.kernels import moe_ref, ops_ref, paged_attention, scaled_mm, w4a16_ref
 
-    mods = (paged_attention, ops_ref, moe_ref)
+    mods = (paged_attention, ops_ref, moe_ref, w4a16_ref, scaled_mm)
     return SimpleNamespace(**{n: next(getattr(m, n + "_ref") for m in mods if hasattr(m, n + "_ref")) for n in _NAMES})
 
 
 @cache
 def _triton() -> SimpleNamespace:
-    from vserve.kernels import triton_attention, triton_moe, triton_ops
+    from vserve.kernels import scaled_mm, triton_attention, triton_moe, triton_ops, triton_w4a16
 
-    mods = (triton_attention, triton_ops, triton_moe)
+    mods = (triton_attention, triton_ops, triton_moe, triton_w4a16, scaled_mm)
     return SimpleNamespace(**{n: next(getattr(m, n) for m in mods if hasattr(m, n)) for n in _NAMES})
 
 

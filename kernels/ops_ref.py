@@ -39,3 +39,22 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+FP8_MAX = 448.0  # largest float8_e4m3fn
+INT8_MAX = 127.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor: an all-zero row still gets a finite, nonzero scale
+
+
+def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric quantization per row of x [M, K] to float8_e4m3fn or int8 -> (xq [M, K], scale [M, 1]
+    float32) with x ~ xq * scale: scale = max|row| / qmax (at least MIN_SCALE); fp8 saturates, int8 rounds half
+    to even and clamps to [-128, 127]."""
+    xf = x.float()
+    qmax = FP8_MAX if dtype == torch.float8_e4m3fn else INT8_MAX
+    scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / qmax, min=MIN_SCALE)
+    v = xf / scale
+    if dtype == torch.float8_e4m3fn:
+        return v.clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
+    assert dtype == torch.int8, dtype
+    return torch.round(v).clamp(-128, 127).to(torch.int8), scale

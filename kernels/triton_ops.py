@@ -148,3 +148,50 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                          BLOCK_KVH=triton.next_power_of_2(kvh), BLOCK_HALF=triton.next_power_of_2(half),
                          num_warps=num_warps)
     return q_out, k_out
+
+
+@triton.jit
+def _round_half_even(v):
+    f = tl.floor(v)
+    d = v - f  # exact: f and v are close
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, IS_FP8: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):  # pass 1: max |x| of the row
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), qmax), min_scale)  # IEEE division, as torch's
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):  # pass 2: quantize (the row is in L2 by now)
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, scale)
+        if IS_FP8:
+            v = tl.minimum(tl.maximum(v, -qmax), qmax)
+        else:
+            v = tl.minimum(tl.maximum(_round_half_even(v), -128.0), 127.0)
+        tl.store(q_ptr + row * stride_q + k, v.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def per_token_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 2048,
+                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """As per_token_quant_ref: x [M, K] -> (xq [M, K] fp8/int8, scale [M, 1] float32), new tensors."""
+    from vserve.kernels.ops_ref import FP8_MAX, INT8_MAX, MIN_SCALE
+
+    x2 = _rows(x)
+    M, K = x2.shape
+    q = torch.empty(M, K, dtype=dtype, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    fp8 = dtype == torch.float8_e4m3fn
+    _per_token_quant_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), FP8_MAX if fp8 else INT8_MAX, MIN_SCALE,
+                                  IS_FP8=fp8, BLOCK=min(block, triton.next_power_of_2(K)), num_warps=num_warps)
+    return q, s

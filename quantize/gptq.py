@@ -21,10 +21,11 @@ def quantize_gptq(
     percdamp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    sym: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [out, in], H [in, in] -> (q int32 [out, in], zeros int32 [out, in/group], scales float32 [out, in/group],
     g_idx int32 [in]). With act_order, columns are quantized by decreasing diag(H) and groups follow that order,
-    so g_idx is then not monotonic."""
+    so g_idx is then not monotonic. With sym, every zero is 2^(bits-1) (AutoGPTQ's symmetric grid)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     out_features, n = w.shape
@@ -56,7 +57,7 @@ def quantize_gptq(
             col = i1 + i
             if col % group_size == 0:  # group parameters from the weights as updated so far
                 rest = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
-                scale, zero = quant_params(rest, bits)
+                scale, zero = quant_params(rest, bits, sym)
                 scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
             c = quantize_codes(W1[:, i], scale, zero, bits)
             codes[:, col] = c

@@ -10,9 +10,13 @@ def group_index(in_features: int, group_size: int) -> torch.Tensor:
     return torch.arange(in_features, dtype=torch.int32) // group_size
 
 
-def quant_params(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric (scale, zero) per row of w [rows, k]; the range always includes 0 so zero is a valid code."""
+def quant_params(w: torch.Tensor, bits: int, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) per row of w [rows, k]. Asymmetric: the range always includes 0 so zero is a valid code.
+    Symmetric (AutoGPTQ's): zero is the middle code 2^(bits-1) and scale = 2 max|w| / (2^bits - 1)."""
     maxq = 2**bits - 1
+    if sym:
+        scale = (2 * w.abs().amax(dim=1) / maxq).clamp(min=1e-10)
+        return scale, torch.full_like(scale, (maxq + 1) // 2)
     wmax = w.amax(dim=1).clamp(min=0)
     wmin = w.amin(dim=1).clamp(max=0)
     scale = ((wmax - wmin) / maxq).clamp(min=1e-10)  # an all-zero row still gets a usable scale

@@ -19,6 +19,17 @@ import pytest  # noqa: E402
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed each run (torch.manual_seed), for kernel tests to name in every failure message so a failing
+    draw can be replayed."""
+    import torch
+
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    return s
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from vserve.core.assets import default_model_path

@@ -23,14 +23,6 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
-@pytest.fixture
-def seed() -> int:
-    """A fresh seed each run, named in every failure message so a failing draw can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    return s
-
-
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, seed: int, **kw) -> None:
     torch.testing.assert_close(actual, expected.to(actual.dtype), **TOL[dtype], **kw,
                                msg=lambda m: f"{m}\n(torch.manual_seed({seed}))")

@@ -216,12 +216,13 @@ def test_flags_beat_profile_beat_defaults_with_sources():
     assert rows["--tensor-parallel-size"] == (1, "profile a10g")
 
 
-def test_tp_recommendation_applies_and_unsupported_quantization_is_reported():
+def test_tp_recommendation_applies_and_quantization_recommendation_is_only_reported():
+    """A quantization names a kind of checkpoint, not a setting: --quantization must match the checkpoint."""
     cfg = EngineConfig.resolve({"model": "llama-2-70b", "profile": "a10g"})
     assert (cfg.tensor_parallel_size, cfg.quantization) == (4, None)
     assert cfg.sources["tensor_parallel_size"] == "profile a10g"
-    assert cfg.sources["quantization"] == "default (profile a10g recommends awq; quantized serving is not " \
-                                          "implemented yet)"
+    assert cfg.sources["quantization"] == "default (profile a10g recommends awq; serve a checkpoint quantized " \
+                                          "with it)"
 
 
 def test_profile_auto_detects_through_the_probe(monkeypatch):

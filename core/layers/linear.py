@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from vserve.core.distributed import all_reduce, get_tp_rank, get_tp_size, shard
+from vserve.core.layers.quantization import QuantConfig, UnquantizedMethod
 
 
 class Linear(nn.Module):
@@ -15,10 +15,12 @@ class Linear(nn.Module):
     parallel: None (replicated), "column" (each rank holds a slice of every shard's rows) or "row" (each rank
     holds a slice of the input columns; the partial outputs are all-reduced). `parts` names shards split into
     fewer slices than ranks (KV heads fewer than ranks): their slices are replicated over neighbouring ranks.
+    quant_config and prefix (the layer's name in the model) pick the weights' quant method; its parameters say
+    which of their dims hold output and input features and how densely (see layers/quantization.py).
     """
 
     def __init__(self, in_features: int, out_features: int | dict, bias: bool = False, parallel: str | None = None,
-                 parts: dict | None = None) -> None:
+                 parts: dict | None = None, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         full = out_features if isinstance(out_features, dict) else {None: out_features}
         tp, rank = get_tp_size(), get_tp_rank()
@@ -27,11 +29,15 @@ class Linear(nn.Module):
         self.shard_sizes = {sid: shard_size(size, self.shard_parts[sid], sid) for sid, size in full.items()}
         self.shard_index = {sid: rank * n // tp for sid, n in self.shard_parts.items()}
         self.in_features = shard(in_features, "input features") if parallel == "row" else in_features
-        total = sum(self.shard_sizes.values())
-        self.weight = nn.Parameter(torch.empty(total, self.in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
-        self.weight.weight_loader = self.weight_loader
+        self.input_splits, self.input_rank = (tp, rank) if parallel == "row" else (1, 0)
+        self.out_features = sum(self.shard_sizes.values())  # this rank's
+        method = quant_config.linear_method(prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedMethod()
+        self.quant_method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         if self.bias is not None:
+            self.bias.output_dim, self.bias.input_dim, self.bias.out_pack = 0, None, 1
+            self.bias.scalar_ok = self.bias.quantized = False
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -43,22 +49,36 @@ class Linear(nn.Module):
         else:
             raise KeyError(f"unknown shard {shard_id!r}")
         size, parts = self.shard_sizes[shard_id], self.shard_parts[shard_id]
-        dst = param.data.narrow(0, offset, size)
-        expected = (size * parts, *dst.shape[1:])
-        if self.parallel == "row" and loaded.dim() == 2:
-            expected = (size, self.in_features * get_tp_size())
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
-        if self.parallel == "column":
-            loaded = loaded.narrow(0, self.shard_index[shard_id] * size, size)
-        elif self.parallel == "row" and loaded.dim() == 2:
-            loaded = loaded.narrow(1, get_tp_rank() * self.in_features, self.in_features)
+        dst, od, idim = param.data, param.output_dim, param.input_dim
+        split_in = self.input_splits > 1 and idim is not None and param.split_input
+        if od is not None:
+            pack = param.out_pack
+            dst = dst.narrow(od, offset // pack, size // pack)
+        expected = list(dst.shape)
+        if od is not None:
+            expected[od] = size * parts // pack
+        if split_in:
+            expected[idim] *= self.input_splits
+        if param.scalar_ok and loaded.numel() == 1:  # a per-tensor scale: every output channel of the shard
+            loaded = loaded.reshape(1).to(param.dtype).expand(expected[od]).reshape(expected)
+        if list(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+        if self.parallel == "column" and od is not None:
+            loaded = loaded.narrow(od, self.shard_index[shard_id] * size // pack, size // pack)
+        if split_in:
+            n = dst.shape[idim]
+            loaded = loaded.narrow(idim, self.input_rank * n, n)
+        if od is None and len(self.shard_sizes) > 1:  # one tensor for all shards (GPTQ's g_idx): they must agree
+            if getattr(param, "shared_loaded", False) and not torch.equal(dst, loaded.to(dst.dtype)):
+                raise ValueError(f"shard {shard_id!r} of a packed layer has a different {tuple(loaded.shape)} "
+                                 f"tensor than the shards before it; vserve packs them and needs them equal")
+            param.shared_loaded = True
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row" or get_tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))  # the bias is added once, after the sum of partials
+            return self.quant_method.apply(self, x, self.bias)
+        y = all_reduce(self.quant_method.apply(self, x, None))  # the bias is added once, after the sum of partials
         return y if self.bias is None else y + self.bias
 
 

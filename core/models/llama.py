@@ -10,6 +10,7 @@ from vserve.core.layers.attention import Attention, AttentionMetadata
 from vserve.core.layers.fused_moe import SparseMoeBlock
 from vserve.core.layers.linear import Linear
 from vserve.core.layers.norm import RMSNorm
+from vserve.core.layers.quantization import QuantConfig
 from vserve.core.layers.rotary import RotaryEmbedding
 from vserve.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from vserve.core.model_config import ModelConfig
@@ -17,7 +18,7 @@ from vserve.kernels import for_device
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         heads, kv_heads, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # This rank's heads; KV heads fewer than ranks are replicated (each rank holds one).
@@ -28,8 +29,10 @@ class LlamaAttention(nn.Module):
                              f"model's {kv_heads} KV heads")
         self.qkv_proj = Linear(cfg.hidden_size, {"q": heads * self.d, "k": kv_heads * self.d,
                                                  "v": kv_heads * self.d}, bias=cfg.attention_bias,
-                               parallel="column", parts={"k": kv_parts, "v": kv_parts})
-        self.o_proj = Linear(heads * self.d, cfg.hidden_size, parallel="row")
+                               parallel="column", parts={"k": kv_parts, "v": kv_parts}, quant_config=quant,
+                               prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(heads * self.d, cfg.hidden_size, parallel="row", quant_config=quant,
+                             prefix=f"{prefix}.o_proj")
         self.rotary_emb = RotaryEmbedding(self.d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.h, self.kvh, self.d, self.d ** -0.5)
         if cfg.qk_norm:
@@ -50,26 +53,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: self.inter, 1: self.inter}, parallel="column")
-        self.down_proj = Linear(self.inter, cfg.hidden_size, parallel="row")
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: self.inter, 1: self.inter}, parallel="column",
+                                   quant_config=quant, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(self.inter, cfg.hidden_size, parallel="row", quant_config=quant,
+                                prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(for_device(x).silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, quant, f"{prefix}.self_attn")
         if cfg.num_experts:  # Mixtral: a sparse MoE block in place of the MLP
+            if quant is not None:
+                raise ValueError("quantized MoE models are not served yet (only dense Llama-family ones are)")
             self.mlp = None
             self.block_sparse_moe = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                                    cfg.intermediate_size)
         else:
-            self.mlp = LlamaMLP(cfg)
+            self.mlp = LlamaMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -86,15 +93,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """This pipeline stage's layers (the others are nn.Identity placeholders, so names keep their index)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers)
         self.is_first, self.is_last = get_pp_rank() == 0, get_pp_rank() == get_pp_size() - 1
         # The last stage needs the embedding too when the LM head is tied to it.
         has_embed = self.is_first or (self.is_last and cfg.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if has_embed else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) if self.start <= i < self.end else nn.Identity()
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, quant, f"model.layers.{i}") if self.start <= i < self.end
+                                    else nn.Identity() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
     def forward(self, input_ids, positions, md, intermediate=None):
@@ -118,10 +125,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.quant_config = quant_config
+        self.model = LlamaModel(cfg, quant_config)
         if cfg.tie_word_embeddings or not self.model.is_last:
             self.lm_head = None
         else:

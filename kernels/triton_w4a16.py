@@ -1,0 +1,231 @@
+"""Triton weight-only quantized GEMM (W4A16, also W8A16): y = x @ W^T with W dequantized in registers.
+
+Matches kernels/w4a16_ref.py:w4a16_gemm_ref (same signature, same layouts: AutoAWQ GEMM, GPTQ 4/8-bit with
+an act-order g_idx, compressed-tensors pack-quantized 4/8-bit, and symmetric per-channel int8/fp8 [N, K]). Each
+K-tile of codes is unpacked, dequantized as (q - z) * s in fp32, rounded to x's dtype and fed to tl.dot with
+fp32 accumulation.
+
+Three paths by the number of rows M:
+- M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
+  writes an fp32 partial; the partials are summed in a fixed order);
+- 16 < M < DEQUANT_M: tiled, with larger row tiles;
+- M >= DEQUANT_M (long prefills): dequantize the whole weight into x's dtype once and hand it to cuBLAS
+  (the matmul is compute-bound there; a one-layer temporary is what it costs).
+No call syncs with the host, so decode steps can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+DEQUANT_M = 1024  # from this many rows on, dequantize + cuBLAS beats the fused kernel (benchmarks/h200_quant.py)
+_LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
+
+
+@triton.jit
+def _awq_shift(n):
+    """Bit offset of column n inside its int32: nibble (0, 4, 1, 5, 2, 6, 3, 7)[n % 8] (AutoAWQ's order)."""
+    j = n % 8
+    return ((j // 2) + (j % 2) * 4) * 4
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
+                  stride_sg, stride_sn, stride_zg, LAYOUT: tl.constexpr, BITS: tl.constexpr,
+                  HAS_G_IDX: tl.constexpr):
+    """W^T tile [BLOCK_K, BLOCK_N] in fp32 for input rows k and output columns n."""
+    mask = k_mask[:, None] & n_mask[None, :]
+    if HAS_G_IDX:  # act-order: each input row has its own group
+        g = tl.load(g_ptr + k, mask=k_mask, other=0)[:, None]
+        s = tl.load(s_ptr + g * stride_sg + n[None, :] * stride_sn, mask=mask, other=0.0).to(tl.float32)
+    else:  # the tile lies inside one group (the wrapper picks BLOCK_K to make it so)
+        g = k0 // group_size
+        s = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if LAYOUT == 0:  # awq: qweight [K, N/8], qzeros [groups, N/8], 8 columns per int32
+        word = tl.load(qw_ptr + k[:, None] * stride_qk + (n[None, :] // 8) * stride_qn, mask=mask, other=0)
+        shift = _awq_shift(n)[None, :]
+        q = (word >> shift) & 0xF
+        if HAS_G_IDX:
+            z = (tl.load(z_ptr + g * stride_zg + n[None, :] // 8, mask=mask, other=0) >> shift) & 0xF
+        else:
+            z = (tl.load(z_ptr + g * stride_zg + n // 8, mask=n_mask, other=0)[None, :] >> shift) & 0xF
+        w = (q - z).to(tl.float32) * s
+    elif LAYOUT == 1 or LAYOUT == 3:  # codes packed along K: gptq [K*BITS/32, N], pack [N, K*BITS/32]
+        PER: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        word = tl.load(qw_ptr + (k[:, None] // PER) * stride_qk + n[None, :] * stride_qn, mask=mask, other=0)
+        q = (word >> ((k % PER) * BITS)[:, None]) & MASK
+        if LAYOUT == 1:  # gptq's qzeros [groups, N*BITS/32] hold zero - 1
+            zshift = ((n % PER) * BITS)[None, :]
+            if HAS_G_IDX:
+                zword = tl.load(z_ptr + g * stride_zg + n[None, :] // PER, mask=mask, other=0)
+            else:
+                zword = tl.load(z_ptr + g * stride_zg + n // PER, mask=n_mask, other=0)[None, :]
+            z = ((zword >> zshift) + 1) & MASK  # masked: a stored all-ones field is zero 0
+        else:  # compressed-tensors pack-quantized: symmetric, codes offset by 2^(BITS-1)
+            z = 1 << (BITS - 1)
+        w = (q - z).to(tl.float32) * s
+    else:  # channel: int8 or fp8 [N, K], symmetric
+        w = tl.load(qw_ptr + k[:, None] * stride_qk + n[None, :] * stride_qn, mask=mask).to(tl.float32)
+        w = tl.where(mask, w, 0.0) * s  # no `other`: 0 does not cast to fp8
+    return w
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_size, k_per_split, stride_xm,
+                  stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_om, stride_osplit, LAYOUT: tl.constexpr,
+                  BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < M, n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
+                          stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX)
+        if FP32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    out = out_ptr + pid_k.to(tl.int64) * stride_osplit + m[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qk, stride_qn, stride_sg,
+                    stride_sn, stride_zg, stride_on, LAYOUT: tl.constexpr, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    k0 = tl.program_id(0) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask, n_mask = k < K, n < N
+    w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
+                      stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX)
+    out = out_ptr + n[None, :].to(tl.int64) * stride_on + k[:, None]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _shape(qweight, scales, layout, bits) -> tuple[int, int]:
+    """(K, N) of the weight."""
+    if layout == "awq":
+        return qweight.shape[0], scales.shape[1]
+    if layout == "gptq":
+        return qweight.shape[0] * 32 // bits, scales.shape[1]
+    if layout == "pack":
+        return qweight.shape[1] * 32 // bits, qweight.shape[0]
+    return qweight.shape[1], qweight.shape[0]
+
+
+def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
+    """Kernel arguments shared by both kernels, and the K-tile (inside one group unless g_idx is given)."""
+    assert layout in _LAYOUT_IDS, layout
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    if layout in ("channel", "pack"):  # [N, ...] row-major, scales [N, groups]
+        stride_qk, stride_qn, stride_sg, stride_sn = 1, qweight.stride(0), 1, scales.stride(0)
+        if layout == "channel":
+            group_size, stride_sg = K, 0  # one group
+        qzeros = scales  # unused
+    else:
+        qzeros = qzeros.contiguous()
+        stride_qk, stride_qn, stride_sg, stride_sn = qweight.stride(0), 1, scales.stride(0), 1
+    if g_idx is None and group_size < K:
+        while group_size % block_k and block_k > 16:
+            block_k //= 2
+        if group_size % block_k:  # groups smaller than any tile: gather per row
+            g_idx = torch.arange(K, device=qweight.device, dtype=torch.int32) // group_size
+    has_g = g_idx is not None
+    g = g_idx.to(torch.int32).contiguous() if has_g else scales
+    z_stride = qzeros.stride(0) if layout in ("awq", "gptq") else 0
+    return (qweight, scales, qzeros, g, group_size, stride_qk, stride_qn, stride_sg, stride_sn, z_stride, has_g,
+            block_k)
+
+
+def _config(M: int, N: int, K: int, device: torch.device) -> dict:
+    """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
+    sms = _num_sms(device.index) if device.type == "cuda" else 4
+    if M <= 16:
+        bn, bk = 64, 128
+        tiles = triton.cdiv(N, bn)
+        split = 1
+        while tiles * split < 2 * sms and K // (bk * split * 2) >= 2:  # keep >= 2 K-tiles per split
+            split *= 2
+        return dict(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
+    if M <= 64:
+        bm = 32 if M <= 32 else 64
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, 128)
+        split = 2 if tiles < sms and K >= 2048 else 1
+        return dict(block_m=bm, block_n=128, block_k=64, split_k=split, num_warps=4, num_stages=4)
+    bm = 64 if M <= 128 else 128
+    return dict(block_m=bm, block_n=128, block_k=64, split_k=1, num_warps=8 if bm == 128 else 4, num_stages=3)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                     g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, dtype: torch.dtype, *,
+                     block_n: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """W [N, K] in dtype (as w4a16_ref.dequantize_weight(...).to(dtype))."""
+    K, N = _shape(qweight, scales, layout, bits)
+    qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
+                                                                group_size, K, block_k)
+    out = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(K, bk), triton.cdiv(N, block_n))
+    _dequant_kernel[grid](qw, s, z, g, out, N, K, gs, sqk, sqn, ssg, ssn, szg, out.stride(0),
+                          LAYOUT=_LAYOUT_IDS[layout],
+                          BITS=bits, HAS_G_IDX=has_g, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
+    return out
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+               g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, *, block_m: int | None = None,
+               block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None, dequant_m: int = DEQUANT_M,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters; out: a
+    contiguous [..., N] buffer to write into."""
+    K, N = _shape(qweight, scales, layout, bits)
+    assert x.shape[-1] == K, (x.shape, K)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if out is None:
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
+    if M == 0:
+        return out
+    if M >= dequant_m:
+        w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype)
+        return torch.matmul(x2, w.t(), out=out.view(M, N)).view(out.shape)
+    cfg = _config(M, N, K, x.device)
+    given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
+                                                                group_size, K, cfg["block_k"])
+    split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
+    split = triton.cdiv(K, k_per_split)
+    dst = out.view(M, N) if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
+    _w4a16_kernel[grid](x2, qw, s, z, g, dst, M, N, K, gs, k_per_split, x2.stride(0), sqk, sqn, ssg, ssn, szg,
+                        dst.stride(-2), dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout], BITS=bits,
+                        HAS_G_IDX=has_g, FP32=x.dtype == torch.float32, BLOCK_M=cfg["block_m"],
+                        BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
+                        num_stages=cfg["num_stages"])
+    if split > 1:
+        torch.sum(dst, 0, out=out.view(M, N))  # the partials in a fixed order: deterministic
+    return out

@@ -1,0 +1,273 @@
+"""The quantized GEMMs match their references (Triton under its interpreter on CPU): the W4A16/W8A16 kernel on
+every checkpoint layout, decode-sized and tiled, the per-token activation quantization, the W8A8 emulation; and
+each quantized Linear, whole and split over TP ranks, equals dequantize-then-F.linear."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from vserve.core import distributed  # noqa: E402
+from vserve.core.layers.linear import Linear  # noqa: E402
+from vserve.core.layers.quantization import QuantConfig, from_hf  # noqa: E402
+from vserve.kernels import ops_ref, scaled_mm, triton_ops, triton_w4a16, w4a16_ref  # noqa: E402
+from vserve.quantize.formats import pack_awq, pack_gptq, pack_int32  # noqa: E402
+from vserve.quantize.rtn import quantize_rtn  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")  # interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # interpreter: no bf16 dot
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-3),
+       torch.bfloat16: dict(atol=6e-2, rtol=1.6e-2)}
+
+
+def _close(actual, expected, dtype, seed, **kw):
+    torch.testing.assert_close(actual, expected.to(actual.dtype), **{**TOL[dtype], **kw},
+                               msg=lambda m: f"{m}\n(torch.manual_seed({seed}))")
+
+
+def quantized_weight(layout: str, N: int, K: int, group: int, act_order: bool = False) -> tuple:
+    """Random checkpoint tensors of one [N, K] weight: (qweight, scales, qzeros, g_idx, bits, group_size)."""
+    w = torch.randn(N, K) * 0.05
+    if layout == "awq":
+        qweight, qzeros, s16 = pack_awq(*quantize_rtn(w, 4, group))
+        return qweight, s16, qzeros, None, 4, group
+    if layout.startswith("gptq"):
+        bits = int(layout[4:])
+        q, zeros, scales = quantize_rtn(w, bits, group)
+        g_idx = torch.arange(K, dtype=torch.int32) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(K)]
+            q = torch.randint(0, 2**bits, (N, K), dtype=torch.int32)  # any codes: each column reads its g_idx group
+        qweight, qzeros, s16, g = pack_gptq(q, zeros, scales, g_idx, bits)
+        return qweight, s16, qzeros, g if act_order else None, bits, group
+    if layout.startswith("pack"):
+        bits = int(layout[4:])
+        codes = torch.randint(0, 2**bits, (N, K), dtype=torch.int32)
+        scales = torch.rand(N, K // group) * 0.01 + 1e-3
+        return pack_int32(codes, bits), scales, None, None, bits, group
+    dtype = {"channel_int8": torch.int8, "channel_fp8": torch.float8_e4m3fn}[layout]
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8) if dtype == torch.int8 else \
+        (torch.randn(N, K) * 100).clamp(-448, 448).to(dtype)
+    return q, torch.rand(N, 1) * 1e-3, None, None, 8, K
+
+
+CASES = [  # layout, N, K, group, act-order
+    ("awq", 192, 256, 64, False),
+    ("gptq4", 128, 256, 32, False),
+    ("gptq4", 128, 256, 64, True),
+    ("gptq8", 96, 128, 128, True),
+    ("pack4", 80, 256, 128, False),
+    ("pack8", 64, 192, 192, False),  # one group over all inputs: per channel
+    ("channel_int8", 64, 128, 128, False),
+    ("channel_fp8", 48, 128, 128, False),
+]
+
+
+def _on_device(t):
+    return t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+
+
+@pytest.mark.parametrize("layout,N,K,group,act_order", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 7, 80])
+def test_w4a16_gemm_matches_reference(seed, layout, N, K, group, act_order, dtype, M):
+    """M = 1 and 7: the 16-row decode tile with split-K; 80: two 64-row tiles of the tiled path."""
+    qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight(layout, N, K, group, act_order))
+    kind = layout.split("_")[0].rstrip("48")
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, g_idx, kind, bits, gs, out=out)
+    assert got is out
+    ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, g_idx, kind, bits, gs)
+    _close(got, ref, dtype, seed)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k):
+    qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight("awq", 64, 384, 32))
+    x = torch.randn(2, 384, device=DEVICE, dtype=torch.float16)
+    ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, None, "awq", 4, 32)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k, block_k=64)
+    _close(got, ref, torch.float16, seed)
+    whole = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, dequant_m=1)  # cuBLAS path
+    _close(whole, ref, torch.float16, seed)
+    w = triton_w4a16.w4a16_dequantize(qweight, scales, qzeros, None, "awq", 4, 32, torch.float32)
+    assert torch.equal(w, w4a16_ref.dequantize_weight(qweight, scales, qzeros, None, "awq", 4, 32))
+
+
+def test_groups_smaller_than_a_tile_are_gathered_per_row(seed):
+    """group 8 < the smallest K-tile (16): the wrapper falls back to a per-row group index."""
+    qweight, scales, qzeros, _, bits, gs = map(_on_device, quantized_weight("gptq4", 32, 64, 8))
+    x = torch.randn(3, 64, device=DEVICE)
+    ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, None, "gptq", 4, 8)
+    _close(triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "gptq", 4, 8), ref, torch.float32, seed)
+
+
+# ---- W8A8: per-token activation quantization and the GEMM emulation --------------------------------------------
+
+
+def test_per_token_int8_quant_matches_reference_exactly(seed):
+    x = torch.randn(9, 300, device=DEVICE) * torch.rand(9, 1, device=DEVICE) * 10
+    x[0] = 0.0  # an all-zero row: the scale floor
+    x[1, :3] = torch.tensor([1.0, 0.5, -0.5]) * 127 / 63.5  # exact halves: rounds to even, as torch.round
+    q, s = triton_ops.per_token_quant(x, torch.int8, block=128)  # three chunks per row
+    rq, rs = ops_ref.per_token_quant_ref(x, torch.int8)
+    assert torch.equal(s, rs) and torch.equal(q, rq), seed
+    assert q.dtype == torch.int8 and s.shape == (9, 1) and int(q.abs().max()) == 127
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter rounds fp32 -> fp8 wrongly when the mantissa carries "
+                                            "into the exponent (1.94 -> 1.0); benchmarks/h200_quant.py checks it")
+def test_per_token_fp8_quant_matches_reference_exactly(seed):
+    x = torch.randn(9, 300, device=DEVICE, dtype=torch.bfloat16)
+    q, s = triton_ops.per_token_quant(x, torch.float8_e4m3fn)
+    rq, rs = ops_ref.per_token_quant_ref(x, torch.float8_e4m3fn)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), seed
+
+
+def test_int8_emulation_is_the_int32_gemm():
+    """int8_linear_ref sums the integer products exactly, as torch._int_mm's int32 accumulator does."""
+    x = torch.randn(20, 256) * 3
+    w = torch.randint(-128, 128, (48, 256), dtype=torch.int8)
+    ws = torch.rand(48, 1) * 0.01
+    xq, xs = ops_ref.per_token_quant_ref(x, torch.int8)
+    expected = (torch._int_mm(xq, w.t()).float() * xs * ws.reshape(1, -1))
+    assert torch.equal(scaled_mm.int8_linear_ref(x, w, ws), expected)
+    close = F.linear(xq.float() * xs, w.float() * ws)  # and it is the fake-quantized product
+    torch.testing.assert_close(scaled_mm.int8_linear_ref(x, w, ws), close, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_emulation_scales_the_fp8_product(seed):
+    x = torch.randn(5, 128, dtype=torch.float16)
+    w = (torch.randn(32, 128) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.rand(32, 1) * 0.01
+    xq, xs = ops_ref.per_token_quant_ref(x, torch.float8_e4m3fn)
+    assert (xq.float().abs().amax(-1) == 448).all()  # each row's largest value lands on the fp8 maximum
+    expected = F.linear(xq.float() * xs, w.float() * ws)
+    _close(scaled_mm.fp8_linear_ref(x, w, ws), expected, torch.float16, seed)
+
+
+# ---- quantized Linear layers: packed shards and TP splits --------------------------------------------------------
+
+GROUP = 32
+METHODS = {  # name -> quantization_config
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm"},
+    "gptq4": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False},
+    "gptq8-act-order": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "desc_act": True},
+    "pack4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP,
+                                           "symmetric": True}}}},
+    "int8-w8a16": {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}},
+    "fp8-per-tensor-w8a8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+}
+
+
+def checkpoint_shard(qc: QuantConfig, w: torch.Tensor, g_idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Checkpoint tensors of one linear [out, in] in qc's layout and its dequantized weight."""
+    if qc.layout == "awq":
+        t = dict(zip(("qweight", "qzeros", "scales"), pack_awq(*quantize_rtn(w, 4, GROUP))))
+    elif qc.layout == "gptq":
+        q, zeros, scales = quantize_rtn(w, qc.bits, GROUP)
+        if qc.desc_act:  # codes that read the scales of g_idx's groups
+            q = torch.randint(0, 2**qc.bits, w.shape, dtype=torch.int32)
+        t = dict(zip(("qweight", "qzeros", "scales", "g_idx"), pack_gptq(q, zeros, scales, g_idx, qc.bits)))
+    elif qc.layout == "pack":
+        t = dict(weight_packed=pack_int32(torch.randint(0, 16, w.shape), 4), weight_scale=torch.rand(
+            w.shape[0], w.shape[1] // GROUP) * 0.01)
+    elif qc.kind == "int8":
+        t = dict(weight=torch.randint(-128, 128, w.shape, dtype=torch.int8), weight_scale=torch.rand(w.shape[0], 1))
+    else:  # one scale per tensor
+        t = dict(weight=(w * 4000).clamp(-448, 448).to(torch.float8_e4m3fn), weight_scale=torch.tensor(2.5e-4))
+    return t, _dequantize(qc, t, w.shape[1])
+
+
+def _dequantize(qc: QuantConfig, t: dict, K: int) -> torch.Tensor:
+    if qc.layout == "awq":
+        return w4a16_ref.dequantize_weight(t["qweight"], t["scales"], t["qzeros"], None, "awq", 4, GROUP)
+    if qc.layout == "gptq":
+        return w4a16_ref.dequantize_weight(t["qweight"], t["scales"], t["qzeros"], t["g_idx"], "gptq", qc.bits, GROUP)
+    if qc.layout == "pack":
+        return w4a16_ref.dequantize_weight(t["weight_packed"], t["weight_scale"], None, None, "pack", 4, GROUP)
+    return t["weight"].float() * t["weight_scale"].reshape(-1, 1)
+
+
+def _expected(qc: QuantConfig, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if qc.activations is None:
+        return F.linear(x, w)
+    xq, xs = ops_ref.per_token_quant_ref(x, torch.float8_e4m3fn if qc.activations == "fp8" else torch.int8)
+    return F.linear(xq.float() * xs, w)
+
+
+def _ranked(tp: int, rank: int):
+    return distributed.ParallelState(rank=rank, world_size=tp, tp_size=tp)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_quantized_linear_shards_and_tp_splits_equal_dequantize_then_linear(monkeypatch, name, tp):
+    """A packed q/k/v layer (column-parallel) and a row-parallel one, each rank built as its process would and
+    loaded from the full checkpoint tensors: column ranks hold their rows of every shard; row ranks' partial
+    products sum to the whole (W8A8 ranks quantize their own slice of the input)."""
+    torch.manual_seed(0)
+    qc = from_hf(METHODS[name])
+    H, sizes = 128, {"q": 64, "k": 32, "v": 32}
+    g_idx = (torch.arange(H, dtype=torch.int32) // GROUP)[torch.randperm(H)] if qc.desc_act else \
+        torch.arange(H, dtype=torch.int32) // GROUP
+    shards = {sid: checkpoint_shard(qc, torch.randn(n, H) * 0.05, g_idx) for sid, n in sizes.items()}
+    down, down_w = checkpoint_shard(qc, torch.randn(64, H) * 0.05, g_idx)
+    x = torch.randn(5, H)
+    col_parts, row_sum = [], 0
+    for rank in range(tp):
+        monkeypatch.setattr(distributed, "_STATE", _ranked(tp, rank))
+        qkv = Linear(H, sizes, parallel="column", quant_config=qc, prefix="model.layers.0.self_attn.qkv_proj")
+        row = Linear(H, 64, parallel="row", quant_config=qc, prefix="model.layers.0.mlp.down_proj")
+        params = dict(qkv.named_parameters())
+        for sid, (tensors, _) in shards.items():
+            for pname, t in tensors.items():
+                qkv.weight_loader(params[pname], t, sid)
+        for pname, t in down.items():
+            row.weight_loader(dict(row.named_parameters())[pname], t)
+        col_parts.append(qkv.quant_method.apply(qkv, x, None))
+        k = H // tp
+        xs = x[:, rank * k:(rank + 1) * k]
+        row_sum = row_sum + row.quant_method.apply(row, xs, None)
+        if qc.activations is not None:  # W8A8: each rank's dynamic scales come from its own slice
+            torch.testing.assert_close(row.quant_method.apply(row, xs, None),
+                                       _expected(qc, xs, down_w[:, rank * k:(rank + 1) * k]), atol=1e-4, rtol=1e-4)
+    splits = [sizes[s] // tp for s in sizes]
+    got = torch.cat([torch.cat([p.split(splits, -1)[i] for p in col_parts], -1) for i in range(3)], -1)
+    full = torch.cat([w for _, w in shards.values()])
+    torch.testing.assert_close(got, _expected(qc, x, full), atol=1e-4, rtol=1e-4)
+    if qc.activations is None:
+        torch.testing.assert_close(row_sum, F.linear(x, down_w), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_shards_must_agree_on_g_idx():
+    qc = from_hf(METHODS["gptq8-act-order"])
+    layer = Linear(64, {0: 32, 1: 32}, parallel="column", quant_config=qc, prefix="model.layers.0.mlp.gate_up_proj")
+    g = torch.arange(64, dtype=torch.int32) // GROUP
+    for sid, gi in ((0, g), (1, g.flip(0))):
+        t, _ = checkpoint_shard(qc, torch.randn(32, 64), gi)
+        if sid == 1:
+            with pytest.raises(ValueError, match="shard 1 of a packed layer has a different"):
+                layer.weight_loader(layer.g_idx, t["g_idx"], sid)
+        else:
+            layer.weight_loader(layer.g_idx, t["g_idx"], sid)
+
+
+def test_ignored_layers_stay_unquantized_and_split_packs_are_refused():
+    qc = from_hf({"quant_method": "compressed-tensors", "format": "float-quantized",
+                  "ignore": ["lm_head", "re:.*mlp.down_proj$", "model.layers.1.self_attn.k_proj"],
+                  "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                      "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}})
+    assert qc.linear_method("model.layers.0.mlp.down_proj") is None
+    assert qc.linear_method("model.layers.0.mlp.gate_up_proj") is not None
+    with pytest.raises(ValueError, match="quantizes some of model.layers.1.self_attn.q_proj, "
+                                         "model.layers.1.self_attn.k_proj, model.layers.1.self_attn.v_proj but not"):
+        qc.linear_method("model.layers.1.self_attn.qkv_proj")
