@@ -39,6 +39,20 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(items: list[tuple[_Stream, object]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _put_all(items: list[tuple[_Stream, object]]) -> None:
+    """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        loop.call_soon_threadsafe(_deliver, batch)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
                  on_step: Callable[[LLMEngine, int, float], None] | None = None,
@@ -95,6 +109,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                # Outputs are cumulative: when the consumer has fallen behind, only the latest one matters
+                # (the server then sends the tokens of several steps in one chunk).
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
                 yield item
@@ -135,6 +153,7 @@ class AsyncEngine:
                 outputs = engine.step(finished_only=finished_only)
                 if self.on_step is not None:
                     self.on_step(engine, engine.last_step_tokens, time.perf_counter() - t0)
+                ready = []
                 for out in outputs:
                     with self._lock:
                         stream = self._streams.get(out.request_id)
@@ -143,7 +162,8 @@ class AsyncEngine:
                     if out.finished and self.on_finish is not None:
                         self.on_finish(out, engine.last_finished.get(out.request_id, []))
                     if stream is not None and (out.finished or not stream.final_only):
-                        stream.put(out)
+                        ready.append((stream, out))
+                _put_all(ready)
         except BaseException as e:  # the engine is dead: tell every waiting client once
             self.error = e
             log.error("engine loop stopped: %r", e, exc_info=e)

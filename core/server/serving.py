@@ -142,7 +142,14 @@ async def create_completion(engine: AsyncEngine, body: CompletionRequest, raw: R
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several generators' outputs as they come."""
+    """Interleave several generators' outputs as they come (one generator, the usual case, is read directly)."""
+    if len(gens) == 1:
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        finally:
+            await gens[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
