@@ -161,8 +161,8 @@ def hf_generate_batch(cfg: dict, prompts, out_len: int) -> dict:
     return dict(seconds=dt, output_tokens=n, output_tok_s=n / dt)
 
 
-def section_correct(results: dict) -> None:
-    """Greedy vserve vs HF transformers on the same random 8B-shape weights, bf16, 32 tokens."""
+def section_correct(results: dict, dtype: torch.dtype = torch.bfloat16, key: str = "correct_8b_vs_hf") -> None:
+    """Greedy vserve vs HF transformers on the same random 8B-shape weights, 32 tokens (bf16 unless dtype)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from vserve import LLM, SamplingParams
@@ -172,9 +172,9 @@ def section_correct(results: dict) -> None:
                                                                               "torch_dtype")})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
-    llm = LLM(model_dir(LLAMA3_8B), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=2048, enforce_eager=False)
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+    llm = LLM(model_dir(LLAMA3_8B), load_format="dummy", skip_tokenizer_init=True,
+              dtype=str(dtype).removeprefix("torch."), max_model_len=2048, enforce_eager=False)
     load_weights(llm.llm_engine.model, hf.named_parameters())
     prompts, _ = workload(4, 1, LLAMA3_8B["vocab_size"], (32, 32), in_len=(20, 200))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
@@ -191,9 +191,15 @@ def section_correct(results: dict) -> None:
                 logits = hf(torch.tensor([p + ref[:div]], device="cuda")).logits[0, -1].float()
                 gap = float(logits[ref[div]] - logits[g[div]])
             rows.append(dict(prompt_len=len(p), equal=div is None, first_divergence=div, hf_logit_gap=gap))
-    results["correct_8b_vs_hf"] = rows
+    results[key] = rows
     del hf, llm
     free_gpu()
+
+
+def section_correct32(results: dict) -> None:
+    """The same check in float32 on the GPU (vserve's Triton kernels take fp32 with IEEE dots; torch keeps TF32
+    off for matmuls by default): the rounding noise is ~1e-6 of a logit, so near-ties rarely flip a token."""
+    section_correct(results, torch.float32, "correct_8b_vs_hf_fp32")
 
 
 def section_throughput(results: dict, hf_peer: bool) -> None:
