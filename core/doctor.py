@@ -71,7 +71,7 @@ class Remedy:
     action: str
     flags: dict[str, object]
     plan: MemoryPlan
-    supported: bool  # vserve serves it today (tensor parallelism and quantization are not implemented yet)
+    supported: bool  # vserve serves it today (all but quantized MoE experts)
 
 
 @dataclass
@@ -341,8 +341,7 @@ def remedies(m: ModelConfig, plan: MemoryPlan, settings: dict, profile: GpuProfi
 
     def add(action: str, changes: dict, p: MemoryPlan) -> None:
         q = changes.get("quantization", settings.get("quantization"))
-        t = changes.get("tensor_parallel_size", settings.get("tensor_parallel_size", 1))
-        out.append(Remedy(action, changes, p, supported=q is None and t == 1))
+        out.append(Remedy(action, changes, p, supported=q is None or not m.num_experts))
 
     bits = BITS.get(settings.get("quantization"), 16)
     eight = "fp8" if profile is None or profile.fp8 else "int8"
@@ -431,9 +430,9 @@ def check_plan(env: Environment, model: str | None, profile: str | None, tp: int
         r = report.remedies[0]
         fix = f"{r.action}: {_describe(r.plan)} ({r.plan.verdict})"
         if not r.supported:
-            fix += "; vserve does not serve tensor parallelism or quantized models yet"
-    if plan.quantization or tp > 1:
-        finding += "; vserve does not serve tensor parallelism or quantized models yet: this plans a deployment"
+            fix += "; vserve does not serve quantized MoE experts yet"
+        elif r.flags.get("quantization"):
+            fix += f" (quantize first: vserve quantize MODEL --method {r.flags['quantization']} --output-dir DIR)"
     return Check("memory plan", {"fits": "ok", "tight": "warn", "oom": "fail"}[plan.verdict], finding, fix), report
 
 
