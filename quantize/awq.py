@@ -1,6 +1,7 @@
 """AWQ (Lin et al. 2023) for one linear, or several sharing an input (q/k/v, gate/up): search per-input-channel
 scales that protect the channels with large activations, then search per-group clipping of the scaled weight."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,24 +22,37 @@ class AWQResult:
 
 
 def search_scales(
-    weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4, group_size: int = 128, n_grid: int = 20
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    n_grid: int = 20,
+    duo_scaling: bool = False,
+    forward: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Grid over alpha = 0, 1/n_grid, ..., (n_grid-1)/n_grid (AutoAWQ's grid; alpha = 0 is plain RTN):
-    scales = s_x^alpha normalized, keep the alpha whose fake-quantized (W * scales) applied to x / scales gives
-    the smallest output MSE. Returns (scales [in], alpha)."""
-    x = x.reshape(-1, x.shape[-1]).float()
+    scales = s_x^alpha (duo_scaling, AutoAWQ's default: s_x^alpha / s_w^(1-alpha), s_w the mean of |w| relative to
+    its group's max), normalized; keep the alpha whose fake-quantized (W * scales) / scales gives the smallest
+    output MSE. The output is `forward(weights)`: by default x @ W^T of the weights concatenated; the caller can
+    pass the block the weights sit in (attention, MLP) instead, as AutoAWQ does. Returns (scales [in], alpha)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if forward is None:
+        def forward(ws: list[torch.Tensor]) -> torch.Tensor:
+            return x2 @ torch.cat(ws, dim=0).t()
     W = torch.cat([w.float() for w in weights], dim=0)
-    ref = x @ W.t()
-    s_x = x.abs().mean(dim=0)
+    ref = forward([w.float() for w in weights])
+    s_x = x2.abs().mean(dim=0)
+    wg = W.abs().reshape(W.shape[0], -1, group_size)
+    s_w = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape_as(W).mean(dim=0)
     best = (float("inf"), None, 0.0)
     for k in range(n_grid):
         alpha = k / n_grid
-        s = s_x.pow(alpha).clamp(min=1e-4)
+        s = s_x.pow(alpha) / (s_w.pow(1 - alpha) + 1e-4) if duo_scaling else s_x.pow(alpha)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither W nor x is pushed far in range
-        Wq = fake_quantize(W * s, bits, group_size) / s
-        err = (x @ Wq.t() - ref).pow(2).mean().item()
-        if err < best[0]:
-            best = (err, s, alpha)
+        err = (forward([fake_quantize(w.float() * s, bits, group_size) / s for w in weights]) - ref).pow(2).mean()
+        if err.item() < best[0]:
+            best = (err.item(), s, alpha)
     return best[1], best[2]
 
 
@@ -73,14 +87,28 @@ def search_clip(
 
 
 def quantize_awq(
-    weights: list[torch.Tensor], x: torch.Tensor, bits: int = 4, group_size: int = 128, n_grid: int = 20
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    n_grid: int = 20,
+    duo_scaling: bool = False,
+    forward: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    clip: list[bool] | None = None,
+    scale_search: bool = True,
 ) -> AWQResult:
-    """Scale search over the weights sharing input x, then clipping and RTN of each scaled weight."""
-    s, alpha = search_scales(weights, x, bits, group_size, n_grid)
+    """Scale search over the weights sharing input x (skipped, scales 1, when nothing precedes them to fold into),
+    then clipping (of the weights whose `clip` is true; all by default) and RTN of each scaled weight."""
+    if scale_search:
+        s, alpha = search_scales(weights, x, bits, group_size, n_grid, duo_scaling, forward)
+    else:
+        s, alpha = torch.ones(x.shape[-1]), 0.0
     xs = x.reshape(-1, x.shape[-1]).float() / s
     layers = []
-    for w in weights:
+    for w, do_clip in zip(weights, clip or [True] * len(weights)):
         ws = w.float() * s
-        max_val = search_clip(ws, xs, bits, group_size, n_grid).repeat_interleave(group_size, dim=1)
-        layers.append(quantize_rtn(torch.maximum(torch.minimum(ws, max_val), -max_val), bits, group_size))
+        if do_clip:
+            max_val = search_clip(ws, xs, bits, group_size, n_grid).repeat_interleave(group_size, dim=1)
+            ws = torch.maximum(torch.minimum(ws, max_val), -max_val)
+        layers.append(quantize_rtn(ws, bits, group_size))
     return AWQResult(scales=s, alpha=alpha, layers=layers)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The quality table of docs/quantization.md: SmolLM2-135M (the embedded default) quantized by each method,
+# calibrated on Shakespeare comedies, scored on Hamlet (first $TOKENS tokens) and on Daodejing 1-10.
+# CPU only. Usage: benchmarks/quant_quality.sh OUT_DIR   (AUTOAWQ_PY=/path/to/autoawq-venv/bin/python for that row)
+set -euo pipefail
+OUT=${1:?usage: $0 OUT_DIR}
+PY=${PY:-.venv/bin/python}
+TOKENS=${TOKENS:-8192}
+SAMPLES=${SAMPLES:-32}
+ZH=benchmarks/data/daodejing_1-10.txt
+mkdir -p "$OUT"
+export VSERVE_NO_PROGRESS=1
+Q="-m vserve.cli.main quantize --num-samples $SAMPLES --seq-len 512 --overwrite"
+BASE=$($PY -c "from vserve.core.assets import default_model_path; print(default_model_path())")
+
+ppl() {  # ppl NAME FOLDER [extra bench flags]
+  local name=$1 folder=$2; shift 2
+  for data in shakespeare "$ZH"; do
+    $PY -m vserve.cli.main bench perplexity "$folder" --data "$data" --max-tokens "$TOKENS" --json "$@" |
+      $PY -c "import json,sys; r=json.load(sys.stdin); r['row']='$name'; print(json.dumps(r))" >> "$OUT/results.jsonl"
+  done
+}
+
+quant() {  # quant NAME [quantize flags]
+  local name=$1; shift
+  local start=$SECONDS
+  $PY $Q -o "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  echo "{\"row\": \"$name\", \"quantize_s\": $((SECONDS - start))}" >> "$OUT/results.jsonl"
+}
+
+ppl fp32 "$BASE" --dtype float32
+quant rtn-w4-g64 --method rtn --group-size 64 && ppl rtn-w4-g64 "$OUT/rtn-w4-g64"
+quant fp8-w8a8 --method fp8 && ppl fp8-w8a8 "$OUT/fp8-w8a8"
+quant fp8-w8a16 --method fp8 --weight-only && ppl fp8-w8a16 "$OUT/fp8-w8a16"
+quant awq-w4-g64 --method awq --group-size 64 && ppl awq-w4-g64 "$OUT/awq-w4-g64"
+quant gptq-w4-g64 --method gptq --group-size 64 && ppl gptq-w4-g64 "$OUT/gptq-w4-g64"
+quant int8-w8a8-sq --method int8 && ppl int8-w8a8-sq "$OUT/int8-w8a8-sq"
+if [ -n "${AUTOAWQ_PY:-}" ]; then
+  PY=$AUTOAWQ_PY quant autoawq-w4-g64 --method awq --backend autoawq --group-size 64
+  ppl autoawq-w4-g64 "$OUT/autoawq-w4-g64"
+fi
+ppl bf16 "$BASE" --dtype bfloat16

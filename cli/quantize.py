@@ -1,0 +1,69 @@
+"""`vserve quantize`: parse, run vserve.quantize.pipeline, print the summary (no torch at import)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vserve.cli.engine_args import exit_on_bad_input
+from vserve.quantize.options import BACKENDS, METHODS, QuantizeOptions
+
+console = Console(highlight=False)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def quantize(
+    model: str | None = typer.Argument(None, metavar="[MODEL]", show_default=False,
+                                       help="HF model folder or .gguf file (default: the embedded SmolLM2-135M)."),
+    method: str = typer.Option(..., "--method", "-m", help=f"{' | '.join(METHODS)}", show_default=False),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must be new or empty).",
+                                    show_default=False),
+    bits: int | None = typer.Option(None, help="4 (awq, gptq, rtn) or 8 (gptq, rtn, fp8, int8); default: 4 for "
+                                    "awq/gptq/rtn, 8 for fp8/int8.", show_default=False),
+    group_size: int = typer.Option(128, help="Input channels per scale (awq, gptq, rtn); SmolLM2 needs 64."),
+    calib_data: str = typer.Option("shakespeare", help="Calibration text: shakespeare (8 comedies; Hamlet, which "
+                                   "bench perplexity scores, is not among them), a .txt, or a .jsonl of {\"text\"}."),
+    num_samples: int = typer.Option(128, help="Calibration samples (awq, gptq, int8 W8A8)."),
+    seq_len: int = typer.Option(512, help="Tokens per calibration sample."),
+    backend: str = typer.Option("native", help=f"{' | '.join(BACKENDS)}; autoawq runs AutoAWQ itself (awq only)."),
+    sym: bool = typer.Option(False, "--sym", help="gptq: symmetric grid (zero point 2^(bits-1)), as Marlin needs."),
+    desc_act: bool = typer.Option(False, "--desc-act", help="gptq: quantize columns by decreasing activation "
+                                  "energy (act-order; g_idx is then not monotonic)."),
+    weight_only: bool = typer.Option(False, "--weight-only", help="fp8, int8: W8A16, activations stay 16-bit."),
+    smoothquant_alpha: float | None = typer.Option(None, help="int8 W8A8: SmoothQuant migration strength in [0, 1] "
+                                                   "(default 0.5).", show_default=False),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output-dir."),
+    seed: int = typer.Option(0, help="Seed of the calibration sample choice."),
+) -> None:
+    """Quantize a model into a folder vserve (and vLLM) can serve: AWQ, GPTQ, RTN, FP8 or INT8."""
+    opts = QuantizeOptions(method=method, output_dir=output_dir, bits=bits, group_size=group_size,
+                           calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, backend=backend, sym=sym,
+                           desc_act=desc_act, weight_only=weight_only, smoothquant_alpha=smoothquant_alpha,
+                           overwrite=overwrite, seed=seed)
+    with exit_on_bad_input():
+        opts.validate()  # before torch is imported: a bad flag fails fast
+        from vserve.quantize.pipeline import quantize as run
+
+        summary = run(model, opts)
+    table = Table(title=f"Quantized: {summary.scheme}", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("output", str(summary.output_dir))
+    table.add_row("backend", opts.backend)
+    if summary.num_layers >= 0:
+        table.add_row("layers", f"{summary.num_layers} decoder layers, {summary.num_linears} linears quantized")
+    table.add_row("calibration", f"{summary.calib_samples} x {summary.seq_len} tokens of {opts.calib_data}"
+                  if summary.calib_samples else "none needed")
+    if summary.alphas:
+        table.add_row("AWQ alpha", f"mean {sum(summary.alphas) / len(summary.alphas):.2f} over "
+                      f"{len(summary.alphas)} groups")
+    table.add_row("time", f"{summary.seconds:.1f} s")
+    ratio = summary.bytes_before / max(summary.bytes_after, 1)
+    table.add_row("size", f"{_size(summary.bytes_before)} -> {_size(summary.bytes_after)} ({ratio:.1f}x smaller)")
+    console.print(table)
