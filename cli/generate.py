@@ -13,6 +13,7 @@ from rich.text import Text
 
 from vserve import SamplingParams  # a plain dataclass module: no torch
 from vserve.cli.engine_args import build_llm, engine_command
+from vserve.core.jsonl import jsonl_objects
 
 Message = dict[str, str]
 Item = str | list[Message]  # a prompt, or a conversation for --chat
@@ -30,13 +31,7 @@ def read_prompts(path: Path) -> list[Item]:
     if path.suffix != ".jsonl":
         raise ValueError(f"--file must be a .txt or .jsonl file, got {path.name!r}")
     items: list[Item] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, obj in jsonl_objects(path, lines):
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             items.append(obj["prompt"])
         elif isinstance(obj, dict) and _is_conversation(obj.get("messages")):

@@ -3,10 +3,10 @@ perplexity` evaluates on) or a .txt / .jsonl file, tokenized and cut into equal-
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from vserve.core.assets import shakespeare_text
+from vserve.core.jsonl import jsonl_objects
 
 # Comedies only: no tragedy, so nothing of Hamlet (the evaluation text) is seen during calibration.
 CALIBRATION_PLAYS = (
@@ -32,13 +32,7 @@ def calibration_text(data: str) -> str:
     if path.suffix != ".jsonl":
         return "\n".join(lines)
     texts = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, obj in jsonl_objects(path, lines):
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise ValueError(f'{path}:{lineno}: expected {{"text": "..."}}')
         texts.append(obj["text"])
