@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down of Llama-3-8B
 MS = [1, 16, 256, 2048]
+SWEEP_MS = [1, 4, 16, 64, 256]  # rows timed over the launch grid (sweep)
 TINY_SHAPES, TINY_MS = [(256, 192), (384, 128)], [1, 16, 40]
 GROUP = 128
 BW = 4.27e12  # measured device-to-device copy, bytes/s (../shared/GPU.md)
@@ -147,7 +148,7 @@ def section_correct(res: dict, dev: str, shapes, ms, dtypes) -> None:
     res["correct"] = rows
 
 
-def section_speed(res: dict, dev: str, shapes, ms, sweep: bool) -> None:
+def section_speed(res: dict, dev: str, shapes, ms, sweep_ms) -> None:
     from vserve.kernels import scaled_mm, triton_w4a16
     from vserve.kernels.gpu_check import time_ms
 
@@ -175,8 +176,8 @@ def section_speed(res: dict, dev: str, shapes, ms, sweep: bool) -> None:
             row["awq_speedup_vs_bf16"] = row["bf16_ms"] / row["awq_ms"]
             row["awq_GBps"] = (K * N / 2 + K // gs * N * 2.5) / (row["awq_ms"] * 1e-3) / 1e9
             rows.append(row)
-            if sweep and M <= 256:
-                best.append(_sweep(qw, s, z, gs, x, dev))
+        for M in sweep_ms:
+            best.append(_sweep(qw, s, z, gs, torch.randn(M, K, device=dev, dtype=dtype), dev))
     res["speed"] = rows
     if best:
         res["sweep"] = best
@@ -188,9 +189,14 @@ def _sweep(qw, s, z, gs, x, dev: str) -> dict:
     from vserve.kernels.gpu_check import time_ms
 
     M = x.shape[0]
-    if M <= 16:  # split_k is not a compile-time constant: 6 compiles
-        grid = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=4)
-                for bn in (32, 64, 128) for bk in (64, 128) for sk in (1, 2, 4, 8, 16)]
+    if M == 1:  # the GEMV kernel (split_k is not a compile-time constant)
+        grid = [dict(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
+                for bn in (64, 128, 256) for bk in (32, 64, 128) for sk in (4, 8, 16, 32) for w in (2, 4, 8)
+                for st in (2, 4)]
+    elif M <= 16:
+        grid = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
+                for bn in (32, 64, 128) for bk in (64, 128) for sk in (1, 2, 4, 8, 16) for w in (4, 8)
+                for st in (3, 4)]
     else:
         grid = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=1, num_warps=w, num_stages=3)
                 for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8)]
@@ -203,7 +209,7 @@ def _sweep(qw, s, z, gs, x, dev: str) -> dict:
             continue
     timed.sort(key=lambda t: t[0])
     default = time_ms(fused, dev)[0]
-    return dict(M=M, K=x.shape[1], N=s.shape[1], default_ms=default, best=[dict(ms=t, **c) for t, c in timed[:5]])
+    return dict(M=M, K=x.shape[1], N=s.shape[1], default_ms=default, best=[dict(ms=t, **c) for t, c in timed[:8]])
 
 
 def _model_cfg(base: dict, quant: str) -> dict:
@@ -319,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput")
+    ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
+                    help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VSERVE_NO_PROGRESS", "1")
         torch.set_num_threads(1)
         sections = {"correct": lambda r: section_correct(r, "cpu", TINY_SHAPES, TINY_MS, [torch.float16]),
-                    "speed": lambda r: section_speed(r, "cpu", TINY_SHAPES[:1], [1], sweep=False),
+                    "speed": lambda r: section_speed(r, "cpu", TINY_SHAPES[:1], [1], sweep_ms=()),
                     "e2e": section_smoke_e2e}
         res: dict = {"torch": torch.__version__, "device": "cpu (smoke)"}
     else:
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [torch.bfloat16, torch.float16]
         names = args.sections.split(",")
         sections = {"correct": lambda r: section_correct(r, "cuda", SHAPES, MS, dtypes),
-                    "speed": lambda r: section_speed(r, "cuda", SHAPES, MS, sweep="sweep" in names),
+                    "speed": lambda r: section_speed(r, "cuda", SHAPES, MS, args.sweep_ms if "sweep" in names else ()),
                     "memory": lambda r: section_memory(r, "cuda", LLAMA3_8B),
                     "bs1": lambda r: section_bs1(r, LLAMA3_8B),
                     "throughput": lambda r: section_throughput(r, LLAMA3_8B)}

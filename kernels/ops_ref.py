@@ -52,7 +52,9 @@ def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     to even and clamps to [-128, 127]."""
     xf = x.float()
     qmax = FP8_MAX if dtype == torch.float8_e4m3fn else INT8_MAX
-    scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / qmax, min=MIN_SCALE)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # a tensor divisor: CUDA torch turns division by a Python scalar into a multiply by its reciprocal
+    scale = torch.clamp(amax / torch.full_like(amax, qmax), min=MIN_SCALE)
     v = xf / scale
     if dtype == torch.float8_e4m3fn:
         return v.clamp(-FP8_MAX, FP8_MAX).to(dtype), scale

@@ -5,7 +5,10 @@ an act-order g_idx, compressed-tensors pack-quantized 4/8-bit, and symmetric per
 K-tile of codes is unpacked, dequantized as (q - z) * s in fp32, rounded to x's dtype and fed to tl.dot with
 fp32 accumulation.
 
-Three paths by the number of rows M:
+Four paths by the number of rows M:
+- M == 1 (batch-1 decode) on the integer layouts with contiguous groups: a GEMV kernel that takes each code
+  from its word by shifts and applies scale and zero once per group and column (y += s (x.q - z sum x)), split
+  over K;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
   writes an fp32 partial; the partials are summed in a fixed order);
 - 16 < M < DEQUANT_M: tiled, with larger row tiles;
@@ -27,17 +30,38 @@ _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
 
 
 @triton.jit
-def _awq_shift(n):
-    """Bit offset of column n inside its int32: nibble (0, 4, 1, 5, 2, 6, 3, 7)[n % 8] (AutoAWQ's order)."""
-    j = n % 8
-    return ((j // 2) + (j % 2) * 4) * 4
+def _unpack_cols(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """int32 words [R, C] -> codes [R, C * 32/BITS]: each word's fields become consecutive columns (AutoAWQ's
+    nibble order (0, 4, 1, 5, 2, 6, 3, 7) when AWQ_ORDER, else field j is column j)."""
+    PER: tl.constexpr = 32 // BITS
+    j = tl.arange(0, PER)
+    if AWQ_ORDER:
+        shift = ((j // 2) + (j % 2) * 4) * 4
+    else:
+        shift = j * BITS
+    q = (word[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(q, (R, C * PER))
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
+def _unpack_rows(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    """int32 words [R, C] packed along K -> codes [R * 32/BITS, C]: field j of row r is row r * 32/BITS + j."""
+    PER: tl.constexpr = 32 // BITS
+    shift = tl.arange(0, PER) * BITS
+    q = (word[:, None, :] >> shift[None, :, None]) & ((1 << BITS) - 1)
+    return tl.reshape(q, (R * PER, C))
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, n0, N, group_size, stride_qk, stride_qn,
                   stride_sg, stride_sn, stride_zg, LAYOUT: tl.constexpr, BITS: tl.constexpr,
-                  HAS_G_IDX: tl.constexpr):
-    """W^T tile [BLOCK_K, BLOCK_N] in fp32 for input rows k and output columns n."""
+                  HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W^T tile [BLOCK_K, BLOCK_N] in fp32 for input rows k0.. (below k_end) and output columns n0.. (below N).
+    Every packed word is loaded once, by consecutive addresses, and split into its fields in registers."""
+    PER: tl.constexpr = 32 // BITS
+    k = k0 + tl.arange(0, BLOCK_K)
+    n = n0 + tl.arange(0, BLOCK_N)
+    k_mask, n_mask = k < k_end, n < N
     mask = k_mask[:, None] & n_mask[None, :]
     if HAS_G_IDX:  # act-order: each input row has its own group
         g = tl.load(g_ptr + k, mask=k_mask, other=0)[:, None]
@@ -46,26 +70,34 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_s
         g = k0 // group_size
         s = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if LAYOUT == 0:  # awq: qweight [K, N/8], qzeros [groups, N/8], 8 columns per int32
-        word = tl.load(qw_ptr + k[:, None] * stride_qk + (n[None, :] // 8) * stride_qn, mask=mask, other=0)
-        shift = _awq_shift(n)[None, :]
-        q = (word >> shift) & 0xF
+        nw = n0 // PER + tl.arange(0, BLOCK_N // PER)
+        nw_mask = nw * PER < N
+        word = tl.load(qw_ptr + k[:, None] * stride_qk + nw[None, :] * stride_qn,
+                       mask=k_mask[:, None] & nw_mask[None, :], other=0)
+        q = _unpack_cols(word, BLOCK_K, BLOCK_N // PER, BITS, True)
         if HAS_G_IDX:
-            z = (tl.load(z_ptr + g * stride_zg + n[None, :] // 8, mask=mask, other=0) >> shift) & 0xF
+            zword = tl.load(z_ptr + g * stride_zg + nw[None, :], mask=k_mask[:, None] & nw_mask[None, :], other=0)
+            z = _unpack_cols(zword, BLOCK_K, BLOCK_N // PER, BITS, True)
         else:
-            z = (tl.load(z_ptr + g * stride_zg + n // 8, mask=n_mask, other=0)[None, :] >> shift) & 0xF
+            zword = tl.load(z_ptr + g * stride_zg + nw, mask=nw_mask, other=0)[None, :]
+            z = _unpack_cols(zword, 1, BLOCK_N // PER, BITS, True)
         w = (q - z).to(tl.float32) * s
     elif LAYOUT == 1 or LAYOUT == 3:  # codes packed along K: gptq [K*BITS/32, N], pack [N, K*BITS/32]
-        PER: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
-        word = tl.load(qw_ptr + (k[:, None] // PER) * stride_qk + n[None, :] * stride_qn, mask=mask, other=0)
-        q = (word >> ((k % PER) * BITS)[:, None]) & MASK
+        kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        word = tl.load(qw_ptr + kw[:, None] * stride_qk + n[None, :] * stride_qn,
+                       mask=(kw * PER < k_end)[:, None] & n_mask[None, :], other=0)
+        q = _unpack_rows(word, BLOCK_K // PER, BLOCK_N, BITS)
         if LAYOUT == 1:  # gptq's qzeros [groups, N*BITS/32] hold zero - 1
-            zshift = ((n % PER) * BITS)[None, :]
+            nw = n0 // PER + tl.arange(0, BLOCK_N // PER)
+            nw_mask = nw * PER < N
             if HAS_G_IDX:
-                zword = tl.load(z_ptr + g * stride_zg + n[None, :] // PER, mask=mask, other=0)
+                zword = tl.load(z_ptr + g * stride_zg + nw[None, :], mask=k_mask[:, None] & nw_mask[None, :],
+                                other=0)
+                z = _unpack_cols(zword, BLOCK_K, BLOCK_N // PER, BITS, False)
             else:
-                zword = tl.load(z_ptr + g * stride_zg + n // PER, mask=n_mask, other=0)[None, :]
-            z = ((zword >> zshift) + 1) & MASK  # masked: a stored all-ones field is zero 0
+                zword = tl.load(z_ptr + g * stride_zg + nw, mask=nw_mask, other=0)[None, :]
+                z = _unpack_cols(zword, 1, BLOCK_N // PER, BITS, False)
+            z = (z + 1) & ((1 << BITS) - 1)  # masked: a stored all-ones field is zero 0
         else:  # compressed-tensors pack-quantized: symmetric, codes offset by 2^(BITS-1)
             z = 1 << (BITS - 1)
         w = (q - z).to(tl.float32) * s
@@ -91,14 +123,69 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_si
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
-                          stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, pid_n * BLOCK_N, N, group_size, stride_qk,
+                          stride_qn, stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
         if FP32:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w.to(a.dtype))
     out = out_ptr + pid_k.to(tl.int64) * stride_osplit + m[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_split, stride_qk, stride_qn,
+                 stride_sg, stride_sn, stride_zg, stride_osplit, LAYOUT: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x (batch-1 decode) times W^T, for the integer layouts (awq, gptq, pack) with contiguous
+    groups. Per K-tile (inside one group): y[n] += s[n] * (sum_k x[k] q[k, n] - z[n] sum_k x[k]) in fp32, the
+    codes taken from each word by shifts, without forming the dequantized tile."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, PER)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if LAYOUT == 0:  # awq [K, N/8]: outputs held as [words, 8]
+        nw = pid_n * (BLOCK_N // PER) + tl.arange(0, BLOCK_N // PER)
+        n = nw[:, None] * PER + j[None, :]
+        n_mask = n < N
+        shift = ((j // 2) + (j % 2) * 4) * 4
+        acc = tl.zeros((BLOCK_N // PER, PER), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < k_end
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            word = tl.load(qw_ptr + k[:, None] * stride_qk + nw[None, :], mask=k_mask[:, None] & (nw < N // PER),
+                           other=0)
+            q = ((word[:, :, None] >> shift[None, None, :]) & MASK).to(tl.float32)
+            xq = tl.sum(x[:, None, None] * q, axis=0)
+            g = k0 // group_size
+            sc = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)
+            zw = tl.load(z_ptr + g * stride_zg + nw, mask=nw < N // PER, other=0)
+            z = ((zw[:, None] >> shift[None, :]) & MASK).to(tl.float32)
+            acc += sc * (xq - z * tl.sum(x, axis=0))
+    else:  # gptq [K/PER, N] / pack [N, K/PER]: codes packed along K
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+            kw_mask = kw * PER < k_end
+            x = tl.load(x_ptr + kw[:, None] * PER + j[None, :], mask=kw_mask[:, None], other=0.0).to(tl.float32)
+            word = tl.load(qw_ptr + kw[:, None] * stride_qk + n[None, :] * stride_qn,
+                           mask=kw_mask[:, None] & n_mask[None, :], other=0)
+            q = ((word[:, None, :] >> (j * BITS)[None, :, None]) & MASK).to(tl.float32)
+            xq = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
+            g = k0 // group_size
+            sc = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            if LAYOUT == 1:  # gptq's qzeros [groups, N*BITS/32] hold zero - 1
+                zw = tl.load(z_ptr + g * stride_zg + n // PER, mask=n_mask, other=0)
+                z = (((zw >> ((n % PER) * BITS)) + 1) & MASK).to(tl.float32)
+            else:  # pack: symmetric, codes offset by 2^(BITS-1)
+                z = float(1 << (BITS - 1))
+            acc += sc * (xq - z * tl.sum(tl.sum(x, axis=1), axis=0))
+    tl.store(out_ptr + pid_k.to(tl.int64) * stride_osplit + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -109,8 +196,8 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stri
     k = k0 + tl.arange(0, BLOCK_K)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_mask, n_mask = k < K, n < N
-    w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k, n, k0, k_mask, n_mask, group_size, stride_qk, stride_qn,
-                      stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX)
+    w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, tl.program_id(1) * BLOCK_N, N, group_size, stride_qk,
+                      stride_qn, stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
     out = out_ptr + n[None, :].to(tl.int64) * stride_on + k[:, None]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
 
@@ -158,6 +245,12 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
 def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
+    if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
+        bn = 256 if N >= 16384 else 128
+        bk, split = 32 if bn == 256 else 128, 1
+        while split < 16 and K // (bk * split * 2) >= 2:
+            split *= 2
+        return dict(block_m=1, block_n=bn, block_k=bk, split_k=split, num_warps=2, num_stages=2)
     if M <= 16:
         bn, bk = 64, 128
         tiles = triton.cdiv(N, bn)
@@ -220,12 +313,21 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)
     dst = out.view(M, N) if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
-    _w4a16_kernel[grid](x2, qw, s, z, g, dst, M, N, K, gs, k_per_split, x2.stride(0), sqk, sqn, ssg, ssn, szg,
-                        dst.stride(-2), dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout], BITS=bits,
-                        HAS_G_IDX=has_g, FP32=x.dtype == torch.float32, BLOCK_M=cfg["block_m"],
-                        BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"])
+    gemv = cfg["block_m"] == 1 and M == 1 and layout != "channel" and not has_g
+    if gemv:
+        grid = (triton.cdiv(N, cfg["block_n"]), split)
+        _gemv_kernel[grid](x2, qw, s, z, dst, N, K, gs, k_per_split, sqk, sqn, ssg, ssn, szg,
+                           dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout], BITS=bits,
+                           BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
+                           num_stages=cfg["num_stages"])
+    else:
+        block_m = max(16, cfg["block_m"])  # the dot needs 16 rows (a one-row launch without a GEMV path)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg["block_n"]), split)
+        _w4a16_kernel[grid](x2, qw, s, z, g, dst, M, N, K, gs, k_per_split, x2.stride(0), sqk, sqn, ssg, ssn, szg,
+                            dst.stride(-2), dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout],
+                            BITS=bits, HAS_G_IDX=has_g, FP32=x.dtype == torch.float32, BLOCK_M=block_m,
+                            BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"])
     if split > 1:
         torch.sum(dst, 0, out=out.view(M, N))  # the partials in a fixed order: deterministic
     return out

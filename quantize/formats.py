@@ -25,7 +25,7 @@ def pack_int32(values: torch.Tensor, bits: int = 4, order: tuple[int, ...] | Non
         raise ValueError(f"last dim must be a multiple of {per} to pack {bits}-bit values, got {values.shape[-1]}")
     order = order or tuple(range(per))
     v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per)[..., list(order)] & (2**bits - 1)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=values.device) * bits
     return _to_int32((v << shifts).sum(-1))
 
 
@@ -33,7 +33,7 @@ def unpack_int32(packed: torch.Tensor, bits: int = 4, order: tuple[int, ...] | N
     """Inverse of pack_int32: int32 [..., n] -> int32 codes [..., n * 32/bits]."""
     per = 32 // bits
     order = order or tuple(range(per))
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     fields = (packed[..., None] >> shifts) & (2**bits - 1)  # arithmetic shift is fine: the mask drops sign bits
     inverse = [order.index(j) for j in range(per)]
     return fields[..., inverse].reshape(*packed.shape[:-1], -1)

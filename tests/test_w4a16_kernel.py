@@ -87,6 +87,18 @@ def test_w4a16_gemm_matches_reference(seed, layout, N, K, group, act_order, dtyp
     _close(got, ref, dtype, seed)
 
 
+@pytest.mark.parametrize("layout,N,K,group,act_order", CASES[:5])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_the_one_row_gemv_tile_matches_reference(seed, layout, N, K, group, act_order, split_k):
+    """block_m = 1: the GEMV kernel (batch-1 decode), scale and zero applied once per group and column."""
+    qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight(layout, N, K, group, act_order))
+    kind = layout.split("_")[0].rstrip("48")
+    x = torch.randn(1, K, device=DEVICE).to(torch.float16)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, g_idx, kind, bits, gs, block_m=1, block_n=32,
+                                  split_k=split_k)
+    _close(got, w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, g_idx, kind, bits, gs), torch.float16, seed)
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k):
     qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight("awq", 64, 384, 32))
