@@ -36,6 +36,8 @@ def quantize(
     desc_act: bool = typer.Option(False, "--desc-act", help="gptq: quantize columns by decreasing activation "
                                   "energy (act-order; g_idx is then not monotonic)."),
     weight_only: bool = typer.Option(False, "--weight-only", help="fp8, int8: W8A16, activations stay 16-bit."),
+    gptq: bool = typer.Option(False, "--gptq", help="fp8, int8: round the weights with GPTQ's error feedback on "
+                              "the calibration inputs instead of to nearest (as llm-compressor's W8A8 recipe)."),
     smoothquant_alpha: float | None = typer.Option(None, help="int8 W8A8: SmoothQuant migration strength in [0, 1] "
                                                    "(default 0.5).", show_default=False),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output-dir."),
@@ -44,7 +46,7 @@ def quantize(
     """Quantize a model into a folder vserve (and vLLM) can serve: AWQ, GPTQ, RTN, FP8 or INT8."""
     opts = QuantizeOptions(method=method, output_dir=output_dir, bits=bits, group_size=group_size,
                            calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, backend=backend, sym=sym,
-                           desc_act=desc_act, weight_only=weight_only, smoothquant_alpha=smoothquant_alpha,
+                           desc_act=desc_act, weight_only=weight_only, gptq=gptq, smoothquant_alpha=smoothquant_alpha,
                            overwrite=overwrite, seed=seed)
     with exit_on_bad_input():
         opts.validate()  # before torch is imported: a bad flag fails fast

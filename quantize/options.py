@@ -27,6 +27,7 @@ class QuantizeOptions:
     sym: bool = False  # gptq
     desc_act: bool = False  # gptq
     weight_only: bool = False  # fp8 / int8: W8A16
+    gptq: bool = False  # fp8 / int8: GPTQ error-feedback rounding of the per-channel weights
     smoothquant_alpha: float | None = None  # int8 W8A8; None: 0.5
     overwrite: bool = False
     seed: int = 0
@@ -50,6 +51,9 @@ class QuantizeOptions:
         if self.weight_only and self.method not in ("fp8", "int8"):
             raise ValueError(f"--weight-only applies to --method fp8 or int8 (AWQ, GPTQ and RTN are weight-only "
                              f"already), got --method {self.method}")
+        if self.gptq and self.method not in ("fp8", "int8"):
+            raise ValueError(f"--gptq applies to --method fp8 or int8 (for 4-bit GPTQ use --method gptq), got "
+                             f"--method {self.method}")
         if self.smoothquant_alpha is not None:
             if self.method != "int8" or self.weight_only:
                 raise ValueError("--smoothquant-alpha applies to --method int8 (W8A8) only")
@@ -67,7 +71,7 @@ class QuantizeOptions:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("awq", "gptq") or (self.method == "int8" and not self.weight_only)
+        return self.method in ("awq", "gptq") or self.gptq or (self.method == "int8" and not self.weight_only)
 
     @property
     def layout(self) -> str:
@@ -83,10 +87,11 @@ class QuantizeOptions:
             extra = f", {'sym' if self.sym else 'asym'}{', desc_act' if self.desc_act else ''}" \
                 if self.method == "gptq" else ""
             return f"{self.method.upper()} W{self.bits}A16 g{self.group_size}, {name}{extra}"
+        rounding = ", GPTQ rounding" if self.gptq else ""
         if self.weight_only:
-            return f"{self.method.upper()} W8A16, compressed-tensors"
+            return f"{self.method.upper()} W8A16{rounding}, compressed-tensors"
         smooth = f" SmoothQuant alpha {self.smoothquant_alpha:g}" if self.method == "int8" else ""
-        return f"{self.method.upper()} W8A8{smooth}, dynamic per-token activations, compressed-tensors"
+        return f"{self.method.upper()} W8A8{smooth}{rounding}, dynamic per-token activations, compressed-tensors"
 
     @property
     def dtype_name(self) -> str:

@@ -21,7 +21,7 @@ from vserve.core.progress import progress_bar
 from vserve.quantize import checkpoint
 from vserve.quantize.awq import quantize_awq
 from vserve.quantize.formats import dequantize_awq, dequantize_gptq, pack_awq, pack_gptq
-from vserve.quantize.gptq import quantize_gptq
+from vserve.quantize.gptq import quantize_gptq, quantize_gptq_channel
 from vserve.quantize.layers import Group, decoder_layers, fold_scales, layer_groups
 from vserve.quantize.options import QuantizeOptions
 from vserve.quantize.rtn import group_index, quantize_rtn
@@ -147,16 +147,20 @@ def _dequantize(packed: Packed, opts: QuantizeOptions) -> torch.Tensor:
 def _pack_rtn_style(w: torch.Tensor, opts: QuantizeOptions) -> Packed:
     """Weights that need no calibration: RTN (AWQ GEMM for 4 bits, GPTQ for 8) and 8-bit channel-wise."""
     if opts.method in ("fp8", "int8"):
-        q, scale = quantize_weight(w, opts.method)
-        if opts.method == "int8" and opts.weight_only:
-            return {"weight_packed": pack_int8(q), "weight_scale": scale,
-                    "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
-        return {"weight": q, "weight_scale": scale}
+        return _pack_channel(*quantize_weight(w, opts.method), opts)
     q, zeros, scales = quantize_rtn(w, opts.bits, opts.group_size)
     if opts.bits == 4:
         return dict(zip(("qweight", "qzeros", "scales"), pack_awq(q, zeros, scales)))
     g_idx = group_index(w.shape[1], opts.group_size)
     return dict(zip(("qweight", "qzeros", "scales", "g_idx"), pack_gptq(q, zeros, scales, g_idx, opts.bits)))
+
+
+def _pack_channel(q: torch.Tensor, scale: torch.Tensor, opts: QuantizeOptions) -> Packed:
+    """8-bit per-channel weights as compressed-tensors stores them (int8 W8A16: pack-quantized)."""
+    if opts.method == "int8" and opts.weight_only:
+        return {"weight_packed": pack_int8(q), "weight_scale": scale,
+                "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    return {"weight": q, "weight_scale": scale}
 
 
 def quantize_layer(layer: nn.Module, xs: list[torch.Tensor] | None, kwargs: dict, opts: QuantizeOptions,
@@ -189,8 +193,9 @@ def _awq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, 
         out[name] = dict(zip(("qweight", "qzeros", "scales"), pack_awq(q, zeros, scales)))
 
 
-def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
-    n = linears[0].in_features
+def _hessian(layer, xs, kwargs, linear: nn.Linear) -> torch.Tensor:
+    """gptq.hessian of the linear's calibration inputs, accumulated chunk by chunk."""
+    n = linear.in_features
     acc = {"h": torch.zeros(n, n, dtype=torch.float64), "n": 0}
 
     def add(x):
@@ -198,8 +203,12 @@ def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions,
         acc["h"] += (x.t() @ x).double()
         acc["n"] += x.shape[0]
 
-    capture_inputs(layer, xs, kwargs, linears[0], add)
-    H = 2 * acc["h"] / acc["n"]  # gptq.hessian, accumulated chunk by chunk
+    capture_inputs(layer, xs, kwargs, linear, add)
+    return 2 * acc["h"] / acc["n"]
+
+
+def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
+    H = _hessian(layer, xs, kwargs, linears[0])
     for name, lin in zip(group.linears, linears):
         q, zeros, scales, g_idx = quantize_gptq(lin.weight, H, opts.bits, opts.group_size, act_order=opts.desc_act,
                                                 sym=opts.sym)
@@ -208,7 +217,8 @@ def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions,
 
 
 def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
-    """RTN, FP8, INT8: each weight on its own, after SmoothQuant's smoothing for INT8 W8A8."""
+    """RTN, FP8, INT8: each weight on its own, after SmoothQuant's smoothing for INT8 W8A8; with --gptq the 8-bit
+    weights are rounded with GPTQ's error feedback on the (smoothed) inputs."""
     if opts.method == "int8" and not opts.weight_only and group.prev is not None:
         amax = torch.zeros(linears[0].in_features)
 
@@ -220,8 +230,12 @@ def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions
         _fold(layer, group, s, out, opts)
         for lin in linears:
             lin.weight.data.mul_(s[None, :])
+    H = _hessian(layer, xs, kwargs, linears[0]) if opts.gptq else None  # after the fold: smoothed inputs
     for name, lin in zip(group.linears, linears):
-        out[name] = _pack_rtn_style(lin.weight.data, opts)
+        if H is None:
+            out[name] = _pack_rtn_style(lin.weight.data, opts)
+        else:
+            out[name] = _pack_channel(*quantize_gptq_channel(lin.weight.data, H, opts.method), opts)
 
 
 def _fold(layer: nn.Module, group: Group, s: torch.Tensor, out: dict[str, Packed], opts: QuantizeOptions) -> None:

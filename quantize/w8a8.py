@@ -15,9 +15,15 @@ def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     w = w.float()
     top = FP8_MAX if kind == "fp8" else INT8_MAX
     scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-12)
+    q = round_to_grid(w / scale, kind)
+    return q.to(torch.float8_e4m3fn if kind == "fp8" else torch.int8), scale
+
+
+def round_to_grid(v: torch.Tensor, kind: str) -> torch.Tensor:
+    """v (already divided by its scale) rounded to the nearest FP8 e4m3 (saturating) or INT8 value, as float32."""
     if kind == "fp8":
-        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-    return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
+        return v.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return torch.round(v.float()).clamp(-128, 127)
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ CASES = {  # name: extra CLI args
     "fp8": ["--method", "fp8"],
     "int8": ["--method", "int8"],
     "int8-w8a16": ["--method", "int8", "--weight-only"],
+    "fp8-gptq": ["--method", "fp8", "--gptq"],
+    "int8-gptq": ["--method", "int8", "--gptq"],
 }
 _DONE: dict = {}
 
@@ -209,6 +211,8 @@ def test_summary_and_progress_bar(tiny_model, tmp_path):
     (["--method", "gptq", "--backend", "autoawq"], "--backend autoawq quantizes with --method awq only, got "
                                                    "--method gptq"),
     (["--method", "int8", "--smoothquant-alpha", "1.5"], "--smoothquant-alpha must be in [0, 1], got 1.5"),
+    (["--method", "awq", "--gptq"], "--gptq applies to --method fp8 or int8 (for 4-bit GPTQ use --method gptq), got "
+                                    "--method awq"),
 ])
 def test_bad_flags_exit_2_with_one_line_before_loading(tmp_path, args, message):
     res = invoke("quantize", str(tmp_path / "no-model"), *args, "-o", str(tmp_path / "out"))

@@ -11,8 +11,9 @@ from vserve.quantize.formats import (
     unpack_awq,
     unpack_gptq,
 )
-from vserve.quantize.gptq import hessian, quantize_gptq
+from vserve.quantize.gptq import hessian, quantize_gptq, quantize_gptq_channel
 from vserve.quantize.rtn import dequantize, fake_quantize, group_index, quantize_rtn
+from vserve.quantize.w8a8 import dequantize_weight, quantize_weight, round_to_grid
 
 
 def _codes(out_features: int, in_features: int, group_size: int, seed: int = 0):
@@ -110,6 +111,22 @@ def test_gptq_has_lower_output_error_than_rtn_on_correlated_activations():
         gptq = dequantize(q, zeros, scales, g_idx)
         assert _output_error(x, w, gptq) < 0.5 * _output_error(x, w, rtn)
     assert sorted(g_idx.tolist()) == group_index(256, 64).tolist()
+
+
+def test_gptq_rounding_of_8bit_channel_weights_keeps_rtn_scales_and_lowers_output_error():
+    """--method fp8/int8 --gptq: the per-channel scale is RTN's, every value stays on the 8-bit grid, and the error
+    feedback lowers the layer's output error on correlated activations."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 256, generator=g)
+    x = (torch.randn(1024, 32, generator=g) @ torch.randn(32, 256, generator=g)
+         + 0.1 * torch.randn(1024, 256, generator=g))
+    for kind in ("int8", "fp8"):
+        q, scale = quantize_gptq_channel(w, hessian(x), kind)
+        q_rtn, scale_rtn = quantize_weight(w, kind)
+        assert q.dtype == q_rtn.dtype and torch.equal(scale, scale_rtn)
+        assert torch.equal(round_to_grid(q.float(), kind), q.float())
+        gptq_err = _output_error(x, w, dequantize_weight(q, scale))
+        assert gptq_err < 0.7 * _output_error(x, w, dequantize_weight(q_rtn, scale_rtn)), kind
 
 
 def test_awq_has_lower_output_error_than_rtn_with_a_few_large_channels():
