@@ -17,6 +17,7 @@ from rich.text import Text
 from vserve.core.config import (  # plain dataclass, no torch
     BLOCK_SIZES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
     EngineConfig,
@@ -68,6 +69,8 @@ ENGINE_FLAGS = (
     EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
     EngineFlag("quantization", str, f"{' | '.join(QUANTIZATION_METHODS)}: the checkpoint's quantization "
                "(docs/quantization.md)", "from config.json's quantization_config"),
+    EngineFlag("kv_cache_dtype", str, f"{' | '.join(KV_CACHE_DTYPES)}; fp8 stores K and V as float8 e4m3 (scale 1, "
+               "saturating): twice the tokens in the same memory, half the bytes attention reads"),
     EngineFlag("load_format", str, f"{' | '.join(LOAD_FORMATS)}; dummy: random weights"),
     EngineFlag("seed", int, "Random seed (generate also seeds each request with it)"),
     EngineFlag("tensor_parallel_size", int, "GPUs to shard each layer over", decls=("--tensor-parallel-size", "-tp")),

@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # --quantization: the layout the checkpoint holds (fp8 and int8 read compressed-tensors' float/int-quantized)
 QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3fn, scale 1
 
 
 @dataclass
@@ -29,6 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # None: from config.json's quantization_config
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -57,6 +59,8 @@ class EngineConfig:
             raise bad("block_size", f"one of {', '.join(map(str, BLOCK_SIZES))}")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -142,7 +142,7 @@ class LLMEngine:
             tensor_parallel_size=tp, block_size=bs, max_model_len=self.max_model_len,
             max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
-            num_kv_blocks=c.num_kv_blocks,
+            num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
@@ -156,7 +156,7 @@ class LLMEngine:
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager or multi)
+                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype)
         self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: tuple[list[Request], SampledTokens] | None = None  # launched, tokens not yet processed

@@ -44,15 +44,21 @@ class StepInputs:
     pending_src: torch.Tensor | None = None
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 / fp8_e4m3 store float8 e4m3fn."""
+    return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else dtype
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, enforce_eager: bool = True) -> None:
+                 max_model_len: int = 4096, enforce_eager: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
@@ -70,8 +76,8 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)  # this TP rank's KV heads
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------

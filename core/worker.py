@@ -48,7 +48,8 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: s
         if info is None:  # rank 0 failed while starting
             return
         runner = ModelRunner(model, mc, config.block_size, info["num_blocks"], dtype, device, config.seed,
-                             max_num_seqs=config.max_num_seqs, max_model_len=info["max_model_len"])
+                             max_num_seqs=config.max_num_seqs, max_model_len=info["max_model_len"],
+                             kv_cache_dtype=config.kv_cache_dtype)
         while (step := distributed.broadcast_object()) is not None:
             runner.run_step(step)
     finally:

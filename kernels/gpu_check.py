@@ -185,6 +185,42 @@ def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny
         r32 = ref.paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu, ctx_lens, bt, scale)
         rlow = ref.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx_lens, bt, scale)
         rows.append(_attn_row("prefill", case + f" {len(seqs)} seqs T={int(cu[-1])}", dtype, out, r32, rlow))
+        if bs == 16:
+            rows += _check_fp8_cache(case, k, v, slots, q, cu, ctx_lens, bt, ctx, B, H, kvh, d, scale, dtype, dev)
+    return rows
+
+
+def _check_fp8_cache(case, k, v, slots, q_prefill, cu, ctx_prefill, bt_prefill, ctx, B, H, kvh, d, scale, dtype,
+                     dev) -> list[CheckRow]:
+    """--kv-cache-dtype fp8: the store rounds as the reference (bit for bit); decode and prefill over an fp8
+    cache against the fp32 reference on the same fp8 values."""
+    from vserve.kernels import paged_attention as ref
+    from vserve.kernels import triton_attention as tri
+
+    f8, name = torch.float8_e4m3fn, str(dtype).removeprefix("torch.") + ", fp8 KV"
+    bs = 16
+    kc = torch.zeros(-(-k.shape[0] // bs) * 2, bs, kvh, d, dtype=f8, device=dev)
+    vc, k_ref, v_ref = kc.clone(), kc.clone(), kc.clone()
+    tri.store_kvcache(k * 50, v, kc, vc, slots)  # * 50: values beyond 448 saturate
+    ref.store_kvcache_ref(k * 50, v, k_ref, v_ref, slots)
+    exact = torch.equal(kc.view(torch.uint8), k_ref.view(torch.uint8)) and \
+        torch.equal(vc.view(torch.uint8), v_ref.view(torch.uint8))
+    rows = [CheckRow("store_kvcache", case + f" T={k.shape[0]}", name, 0.0 if exact else float("nan"), exact,
+                     "exact bytes")]
+    k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
+    k8, v8 = k_cache.to(f8), v_cache.to(f8)
+    q = torch.randn(B, H, d, dtype=dtype, device=dev)
+    out = tri.paged_decode_attention(q, k8, v8, bt, ctx_lens, scale)
+    r32 = ref.paged_decode_attention_ref(q.float(), k8, v8, bt, ctx_lens, scale)
+    rlow = ref.paged_decode_attention_ref(q, k8, v8, bt, ctx_lens, scale)
+    rows.append(_attn_row("decode", case + f" B={B}, fp8 KV", dtype, out, r32, rlow))
+    k_cache, v_cache = (torch.randn(bt_prefill.max().item() + 1, bs, kvh, d, dtype=dtype, device=dev)
+                        for _ in range(2))
+    k8, v8 = k_cache.to(f8), v_cache.to(f8)
+    out = tri.paged_prefill_attention(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    r32 = ref.paged_prefill_attention_ref(q_prefill.float(), k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    rlow = ref.paged_prefill_attention_ref(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    rows.append(_attn_row("prefill", case + f" T={int(cu[-1])}, fp8 KV", dtype, out, r32, rlow))
     return rows
 
 

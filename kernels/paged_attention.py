@@ -3,6 +3,7 @@
 Layouts: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 block_id * block_size + offset; block_tables [batch, max_blocks] (padding entries are ignored);
 context_lens [batch] counts every token a sequence attends to (cached prefix + this step's tokens).
+The cache is in the model's dtype or float8 e4m3fn (`--kv-cache-dtype fp8`), read back in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -10,15 +11,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_MAX = 448.0  # float8 e4m3fn's largest value
+
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """Write k/v [T, kvh, d] into their slots; slot -1 (padding) is skipped."""
+    """Write k/v [T, kvh, d] into their slots; slot -1 (padding) is skipped. An fp8 e4m3 cache gets the values
+    rounded to nearest, saturating at +-448 (no scale: vLLM's default k/v scale of 1)."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = x.to(cache.dtype) if cache.dtype != torch.float8_e4m3fn else \
+            x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)  # torch's cast alone turns |x| > 464 into NaN
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -26,6 +34,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     bs = cache.shape[1]
     nb = -(-n // bs)
     return cache.index_select(0, block_table[:nb]).flatten(0, 1)[:n]
+
+
+def _upcast(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache's values in the queries' dtype (exact: every e4m3 value is a bf16/fp16/fp32 value)."""
+    return kv if kv.dtype == q.dtype else kv.to(q.dtype)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -37,8 +50,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bs = k_cache.shape[1]
     nb = -(-max_len // bs)
     bt = block_tables[:, :nb].flatten()  # index_select: ~2x faster than advanced indexing on CPU
-    k = k_cache.index_select(0, bt).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    v = v_cache.index_select(0, bt).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
+    k = _upcast(k_cache.index_select(0, bt).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
+    v = _upcast(v_cache.index_select(0, bt).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=k.shape[1] != H)
@@ -57,8 +70,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for b in range(len(ctx)):
         s, e, n = cu[b], cu[b + 1], ctx[b]
         qlen = e - s
-        k = _gather(k_cache, block_tables[b], n).transpose(0, 1)  # [kvh, n, d]
-        v = _gather(v_cache, block_tables[b], n).transpose(0, 1)
+        k = _upcast(_gather(k_cache, block_tables[b], n).transpose(0, 1), q)  # [kvh, n, d]
+        v = _upcast(_gather(v_cache, block_tables[b], n).transpose(0, 1), q)
         qb = q[s:e].transpose(0, 1)  # [H, qlen, d]
         gqa = k.shape[0] != H
         if qlen == n:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vserve.kernels.triton_ops import round_to_e4m3
+
 _LOG2E = 1.4426950408889634
 
 
@@ -32,13 +34,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for fp16/bf16 operands
 
 
+@triton.jit
+def _load_kv(ptrs, mask, dtype):
+    """Cached K or V in the queries' dtype, zero where masked (an fp8 cache is loaded without `other` and
+    upcast, since 0 does not cast to fp8)."""
+    if ptrs.dtype.element_ty == tl.float8e4nv:
+        return tl.where(mask, tl.load(ptrs, mask=mask).to(dtype), 0.0)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
 # ---------------------------------------------------------------------------------------------------- store
 
 
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_kct, stride_kch, stride_vct, stride_vch, KVH, D, BLOCK_H: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          stride_kct, stride_kch, stride_vct, stride_vch, KVH, D, FP8: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -46,6 +57,8 @@ def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, str
     mask = (h < KVH) & (d < D) & (slot >= 0)  # slot -1 marks a padding token
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:  # an fp8 e4m3 cache: round to its grid (saturating), as the reference's clamp + cast
+        k, v = round_to_e4m3(k.to(tl.float32)), round_to_e4m3(v.to(tl.float32))
     tl.store(kc_ptr + slot * stride_kct + h * stride_kch + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + slot * stride_vct + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -60,7 +73,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     k, v = _unit_last(k), _unit_last(v)
     _store_kvcache_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping.contiguous(), k.stride(0), k.stride(1),
                                 v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
-                                v_cache.stride(2), kvh, d, BLOCK_H=triton.next_power_of_2(kvh),
+                                v_cache.stride(2), kvh, d, FP8=k_cache.dtype == torch.float8_e4m3fn,
+                                BLOCK_H=triton.next_power_of_2(kvh),
                                 BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
 
 
@@ -105,7 +119,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         tok = offs % BLOCK_SIZE
         k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
-        kt = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=nmask[None, :] & dmask[:, None], other=0.0)
+        kt = _load_kv(kc_ptr + k_off[None, :] + d[:, None], nmask[None, :] & dmask[:, None], q.dtype)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_P, BLOCK_N], log2 domain
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the first tile has a valid token
@@ -113,7 +127,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-        v = tl.load(vc_ptr + v_off[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = _load_kv(vc_ptr + v_off[:, None] + d[None, :], nmask[:, None] & dmask[None, :], q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -244,8 +258,7 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
         kmask = dmask[:, None]
         vmask = dmask[None, :]
     tok = offs % BLOCK_SIZE
-    kt = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kv_head_k)[None, :] + d[:, None], mask=kmask,
-                 other=0.0)
+    kt = _load_kv(kc_ptr + (blk * stride_kb + tok * stride_kt + kv_head_k)[None, :] + d[:, None], kmask, q.dtype)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where((offs[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
@@ -253,8 +266,7 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], mask=vmask,
-                other=0.0)
+    v = _load_kv(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], vmask, q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

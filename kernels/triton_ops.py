@@ -159,6 +159,19 @@ def _round_half_even(v):
 
 
 @triton.jit
+def round_to_e4m3(v):
+    """fp32 v rounded to the nearest float8 e4m3fn value (ties to even, saturating at +-448), still in fp32, so
+    that converting it to fp8 is exact (Triton's interpreter rounds some values wrongly when it converts)."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(v), 448.0)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # exponent; subnormals share -6
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): e4m3's spacing at |v|
+    inv = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
+    r = tl.minimum(_round_half_even(a * inv) * step, 448.0)
+    return r * tl.where(bits < 0, -1.0, 1.0)  # the sign, -0 included (Triton's -x is 0 - x, which gives +0)
+
+
+@triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, IS_FP8: tl.constexpr,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -174,7 +187,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, mi
         x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
         v = tl.math.div_rn(x, scale)
         if IS_FP8:
-            v = tl.minimum(tl.maximum(v, -qmax), qmax)
+            v = round_to_e4m3(v)
         else:
             v = tl.minimum(tl.maximum(_round_half_even(v), -128.0), 127.0)
         tl.store(q_ptr + row * stride_q + k, v.to(q_ptr.dtype.element_ty), mask=k < K)

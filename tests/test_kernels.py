@@ -75,6 +75,51 @@ def test_store_kvcache_writes_slots_and_skips_padding(seed, dtype, bs, kvh, d):
     assert int(k_cache.flatten(0, 1).isnan().all(-1).all(-1).sum()) == num_blocks * bs - int((slots >= 0).sum())
 
 
+def test_store_kvcache_into_an_fp8_cache_rounds_as_the_reference(seed):
+    """--kv-cache-dtype fp8: every value on the e4m3 grid exactly as torch rounds it (ties, tiny and huge
+    values: saturated at +-448 where torch's own cast gives NaN); padding slots stay untouched."""
+    T, bs, kvh, d, num_blocks = 40, 16, 2, 64, 4
+    slots = torch.randperm(num_blocks * bs, device=DEVICE)[:T]
+    slots[::5] = -1
+    k = torch.randn(T, kvh, d, device=DEVICE, dtype=torch.float16) * 30
+    v = torch.randn(T, kvh, d, device=DEVICE, dtype=torch.float16)
+    k[1, 0, :4] = torch.tensor([1000.0, -600.0, 1.9375, 2.0**-12])
+    k_cache = torch.zeros(num_blocks, bs, kvh, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
+    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed
+    assert k_ref.flatten(0, 1)[slots[1], 0, :4].float().tolist() == [448.0, -448.0, 2.0, 0.0]
+    assert not k_ref.float().isnan().any()
+
+
+def _fp8_cache(*caches):
+    return [c.clamp(-448, 448).to(torch.float8_e4m3fn) for c in caches]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_an_fp8_cache_matches_reference(seed, dtype):
+    """Decode and prefill read an fp8 e4m3 cache, upcast to the queries' dtype, as the references do."""
+    bs, kvh, group, d = 16, 2, 4, 80  # head dim 80: padded lanes are masked, not read as fp8 garbage
+    ctx = [1, 17, int(torch.randint(100, 301, ()))]
+    k_cache, v_cache, bt, ctx_lens = _paged_cache(ctx, bs, kvh, d, torch.float32)
+    k8, v8 = _fp8_cache(k_cache * 4, v_cache)
+    q = torch.randn(len(ctx), kvh * group, d, dtype=dtype, device=DEVICE)
+    out = triton_attention.paged_decode_attention(q, k8, v8, bt, ctx_lens, d**-0.5, partition_size=128,
+                                                  out=_poisoned(q.shape, dtype))
+    _close(out, paged_decode_attention_ref(q.float(), k8, v8, bt, ctx_lens, d**-0.5), dtype, seed)
+    seqs = [(37, 37), (200, 5), (130, 64)]
+    k_cache, v_cache, bt, ctx_lens = _paged_cache([c for c, _ in seqs], bs, kvh, d, torch.float32)
+    k8, v8 = _fp8_cache(k_cache, v_cache)
+    cu = torch.tensor([0, 37, 42, 106], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(106, kvh * group, d, dtype=dtype, device=DEVICE)
+    out = triton_attention.paged_prefill_attention(q, k8, v8, cu, ctx_lens, bt, d**-0.5, block_m=32, block_n=32,
+                                                   out=_poisoned(q.shape, dtype))
+    _close(out, paged_prefill_attention_ref(q.float(), k8, v8, cu, ctx_lens, bt, d**-0.5), dtype, seed)
+
+
 # ---------------------------------------------------------------------------------------------------- decode
 
 DECODE_CASES = [  # block size, kv heads, group size, head dim, dtype, partition size (None: the default)

@@ -133,10 +133,14 @@ def test_per_token_int8_quant_matches_reference_exactly(seed):
     assert q.dtype == torch.int8 and s.shape == (9, 1) and int(q.abs().max()) == 127
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter rounds fp32 -> fp8 wrongly when the mantissa carries "
-                                            "into the exponent (1.94 -> 1.0); benchmarks/h200_quant.py checks it")
 def test_per_token_fp8_quant_matches_reference_exactly(seed):
+    """The kernel rounds to the e4m3 grid itself (round_to_e4m3), so even the interpreter's fp8 conversion is
+    exact: ties to even, carries into the exponent (1.9375 -> 2.0), subnormals and saturation at 448."""
     x = torch.randn(9, 300, device=DEVICE, dtype=torch.bfloat16)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every value 0 .. 448
+    ties = (grid[:-1] + grid[1:]) / 2  # exactly between two neighbours (bf16 holds them exactly)
+    x[0, :252] = torch.cat([ties, -ties]).to(x.dtype)
+    x[0, 252:256] = torch.tensor([448.0, 447.0, 2.0**-10, 1.9375])  # row scale 1: the values are quantized as is
     q, s = triton_ops.per_token_quant(x, torch.float8_e4m3fn)
     rq, rs = ops_ref.per_token_quant_ref(x, torch.float8_e4m3fn)
     assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), seed
