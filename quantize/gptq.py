@@ -85,19 +85,21 @@ def error_feedback(w: torch.Tensor, H: torch.Tensor, round_column, percdamp: flo
 
 
 def quantize_gptq_channel(w: torch.Tensor, H: torch.Tensor, kind: str, percdamp: float = 0.01,
-                          block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                          block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit weights per output channel (as w8a8.quantize_weight: FP8 e4m3 or INT8, scale max|row| / qmax from
     the original weights) rounded with GPTQ's error feedback: w [out, in], H [in, in] -> (q [out, in]
-    float8_e4m3fn or int8, scale float32 [out, 1])."""
+    float8_e4m3fn or int8, scale float32 [out, 1]). act_order only changes the order the columns are rounded in
+    (one scale per row: nothing to store for it)."""
     from vserve.quantize.w8a8 import quantize_weight, round_to_grid
 
     _, scale = quantize_weight(w, kind)
-    q = torch.zeros(w.shape, dtype=torch.float32)
+    q = torch.zeros(w.shape, dtype=torch.float32)  # in the sweep's column order, put back below
     s64 = scale.double()[:, 0]
 
     def round_column(col: int, w_col: torch.Tensor, upcoming) -> torch.Tensor:
         q[:, col] = round_to_grid((w_col / s64).float(), kind)
         return q[:, col].double() * s64
 
-    error_feedback(w, H, round_column, percdamp, block_size)
+    perm = error_feedback(w, H, round_column, percdamp, block_size, act_order)
+    q = q[:, torch.argsort(perm)]
     return q.to(torch.float8_e4m3fn if kind == "fp8" else torch.int8), scale

@@ -46,8 +46,10 @@ class QuantizeOptions:
             raise ValueError(f"--method {self.method} takes --bits {allowed} ({_WHY[self.method]}), got {self.bits}")
         if self.method in ("awq", "gptq", "rtn") and self.group_size < 1:
             raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
-        if (self.sym or self.desc_act) and self.method != "gptq":
-            raise ValueError(f"--{'sym' if self.sym else 'desc-act'} applies to --method gptq only")
+        if self.sym and self.method != "gptq":
+            raise ValueError("--sym applies to --method gptq only")
+        if self.desc_act and self.method != "gptq" and not self.gptq:
+            raise ValueError("--desc-act applies to --method gptq (or fp8 / int8 with --gptq) only")
         if self.weight_only and self.method not in ("fp8", "int8"):
             raise ValueError(f"--weight-only applies to --method fp8 or int8 (AWQ, GPTQ and RTN are weight-only "
                              f"already), got --method {self.method}")
@@ -87,7 +89,7 @@ class QuantizeOptions:
             extra = f", {'sym' if self.sym else 'asym'}{', desc_act' if self.desc_act else ''}" \
                 if self.method == "gptq" else ""
             return f"{self.method.upper()} W{self.bits}A16 g{self.group_size}, {name}{extra}"
-        rounding = ", GPTQ rounding" if self.gptq else ""
+        rounding = f", GPTQ rounding{', desc_act' if self.desc_act else ''}" if self.gptq else ""
         if self.weight_only:
             return f"{self.method.upper()} W8A16{rounding}, compressed-tensors"
         smooth = f" SmoothQuant alpha {self.smoothquant_alpha:g}" if self.method == "int8" else ""

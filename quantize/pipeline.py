@@ -235,7 +235,8 @@ def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions
         if H is None:
             out[name] = _pack_rtn_style(lin.weight.data, opts)
         else:
-            out[name] = _pack_channel(*quantize_gptq_channel(lin.weight.data, H, opts.method), opts)
+            out[name] = _pack_channel(*quantize_gptq_channel(lin.weight.data, H, opts.method,
+                                                             act_order=opts.desc_act), opts)
 
 
 def _fold(layer: nn.Module, group: Group, s: torch.Tensor, out: dict[str, Packed], opts: QuantizeOptions) -> None:

@@ -29,7 +29,7 @@ CASES = {  # name: extra CLI args
     "int8": ["--method", "int8"],
     "int8-w8a16": ["--method", "int8", "--weight-only"],
     "fp8-gptq": ["--method", "fp8", "--gptq"],
-    "int8-gptq": ["--method", "int8", "--gptq"],
+    "int8-gptq": ["--method", "int8", "--gptq", "--desc-act"],
 }
 _DONE: dict = {}
 
@@ -211,6 +211,8 @@ def test_summary_and_progress_bar(tiny_model, tmp_path):
     (["--method", "gptq", "--backend", "autoawq"], "--backend autoawq quantizes with --method awq only, got "
                                                    "--method gptq"),
     (["--method", "int8", "--smoothquant-alpha", "1.5"], "--smoothquant-alpha must be in [0, 1], got 1.5"),
+    (["--method", "fp8", "--desc-act"], "--desc-act applies to --method gptq (or fp8 / int8 with --gptq) only"),
+    (["--method", "int8", "--sym"], "--sym applies to --method gptq only"),
     (["--method", "awq", "--gptq"], "--gptq applies to --method fp8 or int8 (for 4-bit GPTQ use --method gptq), got "
                                     "--method awq"),
 ])

@@ -121,12 +121,13 @@ def test_gptq_rounding_of_8bit_channel_weights_keeps_rtn_scales_and_lowers_outpu
     x = (torch.randn(1024, 32, generator=g) @ torch.randn(32, 256, generator=g)
          + 0.1 * torch.randn(1024, 256, generator=g))
     for kind in ("int8", "fp8"):
-        q, scale = quantize_gptq_channel(w, hessian(x), kind)
         q_rtn, scale_rtn = quantize_weight(w, kind)
-        assert q.dtype == q_rtn.dtype and torch.equal(scale, scale_rtn)
-        assert torch.equal(round_to_grid(q.float(), kind), q.float())
-        gptq_err = _output_error(x, w, dequantize_weight(q, scale))
-        assert gptq_err < 0.7 * _output_error(x, w, dequantize_weight(q_rtn, scale_rtn)), kind
+        for act_order in (False, True):
+            q, scale = quantize_gptq_channel(w, hessian(x), kind, act_order=act_order)
+            assert q.dtype == q_rtn.dtype and torch.equal(scale, scale_rtn)
+            assert torch.equal(round_to_grid(q.float(), kind), q.float())
+            gptq_err = _output_error(x, w, dequantize_weight(q, scale))
+            assert gptq_err < 0.7 * _output_error(x, w, dequantize_weight(q_rtn, scale_rtn)), (kind, act_order)
 
 
 def test_awq_has_lower_output_error_than_rtn_with_a_few_large_channels():
