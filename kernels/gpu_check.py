@@ -351,6 +351,18 @@ def bench_decode(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
                 _timed(rows, "decode", case, f"triton {cfg or '(default)'}", fn, nbytes, "GB/s", dev)
                 if not cfg:  # the same call launched from Python: the launch overhead a graph removes
                     _timed(rows, "decode", case, "triton (default)", fn, nbytes, "GB/s", dev, graph=False)
+            if bs == 16 and not tiny:  # --kv-cache-dtype fp8: half the bytes to read
+                k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+                grid = [{}]
+                if sweep:
+                    grid += [dict(partition_size=p, block_n=n, num_warps=w) for p in (512, 1024, 2048)
+                             for n in (64, 128) for w in (4, 8)]
+                for cfg in grid:
+                    fn = partial(tri.paged_decode_attention, q, k8, v8, bt, ctx_lens, d**-0.5,
+                                 out=torch.empty_like(q), **cfg)
+                    _timed(rows, "decode", case + " fp8 KV", f"triton {cfg or '(default)'}", fn,
+                           nbytes // k_cache.element_size(), "GB/s", dev)
+                del k8, v8
             if {"block_table", "seqused_k", "enable_gqa"} <= varlen_args:
                 cu_q = torch.arange(B + 1, dtype=torch.int32, device=dev)
                 fn = partial(varlen, q, k_cache, v_cache, cu_q, cu_q * ctx_len, 1, ctx_len, scale=d**-0.5,

@@ -36,11 +36,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _load_kv(ptrs, mask, dtype):
-    """Cached K or V in the queries' dtype, zero where masked (an fp8 cache is loaded without `other` and
-    upcast, since 0 does not cast to fp8)."""
-    if ptrs.dtype.element_ty == tl.float8e4nv:
-        return tl.where(mask, tl.load(ptrs, mask=mask).to(dtype), 0.0)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    """Cached K or V in the dtype of the dots (an fp8 cache is upcast here; zero where masked)."""
+    return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- store
@@ -89,7 +86,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                             SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot."""
     b = tl.program_id(0).to(tl.int64)
@@ -108,6 +105,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     dmask = d < D
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if F16_DOT:  # bf16 queries over an fp8 cache: the dots in fp16 (e4m3 -> fp16 is one conversion per pair)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -186,7 +185,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context lengths, block tables as wide as the CUDA graphs capture them: benchmarks/decode_sweep.py): 256-token
     partitions when B * kvh < 64 (more programs for small batches), 512 below 512 programs, 2048 from there (a
     long partition per program when the batch alone fills the GPU); KV tiles of 64 tokens, 128 for head dims
-    <= 64; 2 pipeline stages.
+    <= 64 or an fp8 cache; 2 pipeline stages. Over an fp8 cache with bf16 queries the dots run in fp16
+    (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster than e4m3 -> bf16).
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
@@ -194,7 +194,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert H % kvh == 0, (H, kvh)
     partition_size = partition_size or (256 if B * kvh < 64 else 512 if B * kvh < 512 else 2048)
     num_stages = num_stages or 2
-    block_n = block_n or min(128 if d <= 64 else 64, partition_size)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    block_n = block_n or min(128 if d <= 64 or fp8 else 64, partition_size)
     assert partition_size % block_n == 0 and block_n >= 16, (partition_size, block_n)
     group = H // kvh
     q, block_tables = _unit_last(q), _unit_last(block_tables)
@@ -216,7 +217,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), H, num_splits,
         D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        F16_DOT=q.dtype == torch.bfloat16 and fp8, num_warps=num_warps, num_stages=num_stages)
     if not single:
         splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
