@@ -3,8 +3,9 @@
     PYTHONPATH=... python benchmarks/h200_bench.py --out $OUT [--sections a,b,c,d] [--paging-shape small|8b]
     PYTHONPATH=... python benchmarks/h200_bench.py --smoke --out /tmp/h200_bench_smoke   # CPU, tiny model
 
-(a) `vserve bench serve` at concurrency 256 against a real `vserve serve` process on 127.0.0.1, and
-    `bench throughput`'s offline run of the same requests (token ids, same seed): HTTP / offline (goal >= 0.92).
+(a) `vserve bench serve` at concurrency 256 against a real `vserve serve` process on 127.0.0.1 (the engine in its
+    own process unless --no-engine-process; the JSON's server.engine says which ran), and `bench throughput`'s
+    offline run of the same requests (token ids, same seed): HTTP / offline (goal >= 0.92).
 (b) 256 requests sharing a 2,048-token prefix (`--dataset prefix`), offline, prefix caching on vs off (goal >= 3x).
 (c) `vserve bench experiment paging`: paged (vserve) vs contiguous (HF static batch) on equal-token mixes.
 (d) `vserve bench serve --sweep-concurrency 1,8,32,128 --plot` on the same server: OUT/plots/*.png.
@@ -29,6 +30,7 @@ import gc
 import io
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -81,6 +83,7 @@ class Plan:
     sweep_seed: int = 100  # not (a)'s seed 0: the server's prefix cache holds (a)'s prompts
     server_start_s: float = 300.0
     client_timeout_s: float = 400.0
+    engine_process: bool = True  # `vserve serve`'s default; False: --no-engine-process (the loop on a thread)
 
     @classmethod
     def smoke(cls) -> Plan:
@@ -170,16 +173,28 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def bench_cli(args: list[str], timeout: float, server_pid: int, saved: Path | None = None) -> dict:
-    """`vserve bench ARGS --json` in a fresh process: its JSON object, plus the CPU seconds the client and the
-    server spent meanwhile. With `saved` (its --save-result file), a run whose later step (the plot) failed
-    still gives its numbers, with the error under `cli_error`."""
-    client0, server0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), cpu_seconds(server_pid), time.perf_counter()
+def engine_mode(log: Path) -> dict:
+    """Which engine the server runs, from its start-up log: {"mode": "process", "pid": P} or {"mode": "thread"}."""
+    found = re.search(r"engine process started \(pid (\d+)\)", log.read_text(errors="replace"))
+    return {"mode": "process", "pid": int(found.group(1))} if found else {"mode": "thread", "pid": None}
+
+
+def bench_cli(args: list[str], timeout: float, server_pid: int, saved: Path | None = None,
+              engine_pid: int | None = None) -> dict:
+    """`vserve bench ARGS --json` in a fresh process: its JSON object, plus the CPU seconds the client, the
+    server (its HTTP process) and its engine process (if it has one) spent meanwhile. With `saved` (its
+    --save-result file), a run whose later step (the plot) failed still gives its numbers, with the error under
+    `cli_error`."""
+    def delta(pid, before):
+        after = cpu_seconds(pid) if pid is not None else None
+        return after - before if after is not None and before is not None else None
+
+    client0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    server0, engine0 = cpu_seconds(server_pid), cpu_seconds(engine_pid) if engine_pid is not None else None
     r = subprocess.run([*CLI, "bench", *args, "--json"], capture_output=True, text=True, timeout=timeout)
-    client1, server1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), cpu_seconds(server_pid), \
-        time.perf_counter() - t0
+    client1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     cpu = {"wall_s": wall, "client_cpu_s": client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime,
-           "server_cpu_s": server1 - server0 if server0 is not None and server1 is not None else None}
+           "server_cpu_s": delta(server_pid, server0), "engine_cpu_s": delta(engine_pid, engine0)}
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     if r.returncode == 0 and lines:
         return {**json.loads(lines[-1]), "cpu": cpu}
@@ -284,17 +299,19 @@ def run_server_phase(rec: Recorder, plan: Plan, folder: str, sections: set[str])
     log = Path(tempfile.mkdtemp(prefix="vserve-bench-")) / "server.log"
     serve_args = [folder, "--load-format", "dummy", "--dtype", plan.dtype, "--max-num-seqs", str(plan.max_num_seqs)]
     serve_args += ["--device", plan.device] if plan.device else []
+    serve_args += ["--engine-process" if plan.engine_process else "--no-engine-process"]
     common = ["--token-ids", "--tokenizer", folder]
     t0 = time.perf_counter()
     try:
         with server(serve_args, log, plan.server_start_s) as (url, pid):
-            rec.results["server"] = {"cli": "vserve serve " + " ".join(serve_args),
+            engine = engine_mode(log)
+            rec.results["server"] = {"cli": "vserve serve " + " ".join(serve_args), "engine": engine,
                                      "start_s": round(time.perf_counter() - t0, 2)}
             with rec.step("server", "prime") as part:  # seed 7: no prompt of a later run, so no cache hits
                 part["prime"] = bench_cli(["serve", "--base-url", url, *common, "--num-prompts",
                                            str(plan.prime_prompts), "--input-len", plan.serve_input, "--output-len",
                                            "16", "--num-warmups", "0", "--seed", "7"], plan.client_timeout_s,
-                                          pid)["runs"][0]["duration_s"]
+                                          pid, engine_pid=engine["pid"])["runs"][0]["duration_s"]
             if "a" in sections:
                 with rec.step("a", "serve") as part:
                     args = ["serve", "--base-url", url, *common, "--num-prompts", str(plan.serve_prompts),
@@ -302,8 +319,9 @@ def run_server_phase(rec: Recorder, plan: Plan, folder: str, sections: set[str])
                             "--max-concurrency", str(plan.concurrency), "--num-warmups", str(plan.warmups),
                             "--seed", "0"]
                     part["serve_cli"] = "vserve bench " + " ".join(args)
-                    report = bench_cli(args, plan.client_timeout_s, pid)
+                    report = bench_cli(args, plan.client_timeout_s, pid, engine_pid=engine["pid"])
                     part["serve"], part["serve_cpu"] = report["runs"][0], report["cpu"]
+                    part["engine"] = engine["mode"]
             if "d" in sections:
                 with rec.step("d", "sweep") as part:
                     saved = log.with_name("sweep_result.json")
@@ -312,7 +330,7 @@ def run_server_phase(rec: Recorder, plan: Plan, folder: str, sections: set[str])
                             "--sweep-concurrency", plan.sweep, "--num-warmups", "2", "--seed", str(plan.sweep_seed),
                             "--save-result", str(saved), "--plot", str(rec.out / "plots")]
                     part["cli"] = "vserve bench " + " ".join(args)
-                    part.update(bench_cli(args, plan.client_timeout_s, pid, saved))
+                    part.update(bench_cli(args, plan.client_timeout_s, pid, saved, engine["pid"]))
                     part["plots"] = sorted(p.name for p in (rec.out / "plots").glob("*.png"))
     except Exception:
         rec.results.setdefault("server", {})["error"] = traceback.format_exc()[-3000:]
@@ -406,7 +424,7 @@ def summary(r: dict) -> list[str]:
     lines = [f"{'record':46} {'value':>12}  goal"]
     if a:
         lines += [row(f"(a) HTTP output tok/s, concurrency {serve.get('max_concurrency')}",
-                      serve.get("output_throughput")),
+                      serve.get("output_throughput"), goal=f"engine: {a.get('engine', '-')}"),
                   row("(a) offline output tok/s, same requests", offline.get("output_tokens_per_s")),
                   row("(a) HTTP / offline", a.get("http_over_offline"), "{:.3f}", ">= 0.92")]
     if b:
@@ -435,6 +453,8 @@ def main() -> None:
                     help="(c)'s model: the SmolLM2-135M shape (quick) or the Llama-3-8B shape")
     ap.add_argument("--paging-repeats", type=int, help="(c)'s timed runs per mix and backend (default 3)")
     ap.add_argument("--sweep-prompts", type=int, help="(d)'s requests per level (default 128)")
+    ap.add_argument("--no-engine-process", action="store_true", help="serve with the engine loop on a thread of "
+                    "the server's process (vserve serve --no-engine-process) instead of its own process")
     ap.add_argument("--budget-s", type=float, default=285.0, help="skip (b)'s caching-off run or (c) when too "
                     "little of this many seconds is left, so the run ends with its table inside the call's limit")
     args = ap.parse_args()
@@ -446,6 +466,7 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
     plan.sweep_prompts = args.sweep_prompts or plan.sweep_prompts
     plan.paging_repeats = args.paging_repeats or plan.paging_repeats
+    plan.engine_process = not args.no_engine_process
     sections = set(args.sections.split(","))
     rec = Recorder(Path(args.out), args.budget_s)
     rec.results["plan"] = {k: v for k, v in asdict(plan).items() if k not in ("model", "paging_model")}

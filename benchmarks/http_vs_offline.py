@@ -1,6 +1,7 @@
 """HTTP throughput of `vserve serve` against offline `LLM.generate` on the same prompts and concurrency.
 
     python benchmarks/http_vs_offline.py [--model M] [--num-prompts 32] [--output-len 64] [--dtype float32]
+                                         [--no-engine-process]
 
 Starts a real server process on loopback, sends every prompt at once (streaming off), and runs the same
 prompts offline in this process afterwards; prints output tok/s for both and their ratio.
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-engine-process", action="store_true", help="serve with the engine loop on a thread")
     args = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 49000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -51,6 +53,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "vserve.cli.main", "serve", "--port", str(port), "--dtype", args.dtype]
     if args.model:
         cmd.append(args.model)
+    if args.no_engine_process:
+        cmd.append("--no-engine-process")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "VSERVE_NO_PROGRESS": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -76,7 +80,7 @@ def main() -> None:
     offline_s = time.perf_counter() - t0
     n = args.num_prompts * args.output_len
     print(f"requests {args.num_prompts} x {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.num_prompts}")
+          f"{args.num_prompts}, engine {'thread' if args.no_engine_process else 'process'}")
     print(f"http     {http_s:7.2f} s  {n / http_s:8.1f} output tok/s")
     print(f"offline  {offline_s:7.2f} s  {n / offline_s:8.1f} output tok/s")
     print(f"http / offline = {offline_s / http_s:.3f}")

@@ -26,6 +26,8 @@ def serve(
     chat_template: str | None = typer.Option(None, help="Jinja chat template file overriding the model's"),
     max_queue_len: int | None = typer.Option(None, help="Most waiting requests before 429"),
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
+    engine_process: bool = typer.Option(True, help="Run the engine loop in its own process, the server's only "
+                                        "doing HTTP; off: on a thread of the server's (always so under TP/PP)"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -48,6 +50,7 @@ def serve(
     config = EngineConfig.resolve(engine_args)
     print_config(config)
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=served_model_name,
-                        chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout)
+                        chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
+                        engine_process=engine_process)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

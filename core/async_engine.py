@@ -1,8 +1,9 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, with asyncio streams for the server.
+"""The server's engine clients: asyncio streams per request over an LLMEngine step loop.
 
-The loop thread owns the engine; the event loop only validates and tokenizes (make_requests), hands
-requests over through a locked inbox and reads outputs from per-request asyncio queues. torch releases the
-GIL in its kernels, so HTTP handling goes on while a step runs.
+`EngineClient` holds what both kinds share: the streams, validation and tokenization on the event loop
+(make_requests), the queue limit, aborts and engine-death propagation. `AsyncEngine` runs the `StepLoop` on a
+thread of the server process (torch releases the GIL in its kernels, so HTTP handling goes on while a step
+runs); `EngineCoreClient` (core/engine_core.py) runs it in a process of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from vserve.core.engine import LLMEngine
-from vserve.core.request import Request, RequestOutput
+from vserve.core.request import CompletionOutput, Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
 
 log = logging.getLogger("vserve.engine")
@@ -34,9 +35,20 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     final_only: bool = False  # a non-streaming request is woken once, with its final output
+    children: list[Request] | None = None
+    output: RequestOutput | None = None  # the engine process's deltas add up here, in place
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy a consumer may keep while the original grows (its lists copied; strings are immutable)."""
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                         [CompletionOutput(c.index, c.text, c.token_ids[:], c.cumulative_logprob,
+                                           None if c.logprobs is None else c.logprobs[:], c.finish_reason,
+                                           c.stop_reason) for c in out.outputs],
+                         out.finished, out.num_cached_tokens)
 
 
 def _deliver(items: list[tuple[_Stream, object]]) -> None:
@@ -44,78 +56,154 @@ def _deliver(items: list[tuple[_Stream, object]]) -> None:
         stream.queue.put_nowait(item)
 
 
-def _put_all(items: list[tuple[_Stream, object]]) -> None:
+def put_all(items: list[tuple[_Stream, object]], deliver: Callable[[list], None] = _deliver) -> None:
     """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per request."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
     for loop, batch in by_loop.items():
-        loop.call_soon_threadsafe(_deliver, batch)
+        loop.call_soon_threadsafe(deliver, batch)
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
-                 on_step: Callable[[LLMEngine, int, float], None] | None = None,
+class StepLoop:
+    """The step loop over an LLMEngine, fed through a locked inbox; `emit` gets each step's outputs.
+
+    AsyncEngine's thread and the engine process's main thread both run it. When no request streams, the
+    engine makes outputs only for finished requests."""
+
+    def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput], float], None], delta: bool = False,
+                 on_idle: Callable[[], None] | None = None) -> None:
+        self.engine, self.emit, self.delta, self.on_idle = engine, emit, delta, on_idle
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[list[Request], bool]] = []
+        self._aborts: list[str] = []
+        self._streaming: set[str] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.num_taken = 0  # requests taken from the inbox (submitted, or dropped as aborted)
+
+    def add(self, children: list[Request], stream: bool) -> None:
+        with self._lock:
+            self._inbox.append((children, stream))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def num_pending(self) -> int:
+        return len(self._inbox)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Until stop(); whatever the engine raises propagates."""
+        engine = self.engine
+        while not self._stop.is_set():
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            self.num_taken += len(inbox)
+            for children, stream in inbox:
+                if children[0].parent_id in aborts:
+                    continue
+                engine.submit(children)
+                if stream:
+                    self._streaming.add(children[0].parent_id)
+            for rid in aborts:
+                engine.abort_request(rid)
+                self._streaming.discard(rid)
+            if not engine.has_unfinished_requests():
+                if (inbox or aborts) and self.on_idle is not None:
+                    self.on_idle()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            outputs = engine.step(finished_only=not self._streaming, delta=self.delta)
+            for out in outputs:
+                if out.finished:
+                    self._streaming.discard(out.request_id)
+            self.emit(outputs, time.perf_counter() - t0)
+
+
+class EngineClient:
+    """generate() / abort() streams over an engine that runs elsewhere (a thread, a process).
+
+    `engine` is what the event loop may use directly: make_requests, tokenizer, model_config, max_model_len,
+    stats() and the token counters (the LLMEngine itself, or the engine process's RemoteEngine)."""
+
+    def __init__(self, engine, max_queue_len: int | None = None,
+                 on_step: Callable[[object, int, float], None] | None = None,
                  on_finish: Callable[[RequestOutput, list[Request]], None] | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
         self.on_step = on_step
         self.on_finish = on_finish
         self._lock = threading.Lock()
-        self._inbox: list[list[Request]] = []
-        self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="vserve-engine", daemon=True)
+        self._reason = ""
 
-    # ---- lifecycle ----------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
+    # ---- what a kind of client provides -------------------------------------------------------------------
+    def _num_waiting(self) -> int:
+        raise NotImplementedError
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def _submit(self, children: list[Request], stream: _Stream) -> None:
+        raise NotImplementedError
 
-    @property
-    def is_running(self) -> bool:
-        return self.error is None and self._thread.is_alive() and not self._stop.is_set()
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
+    # ---- shared -------------------------------------------------------------------------------------------
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # ---- requests -----------------------------------------------------------------------------------------
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped: {self._reason}")
+
+    def _fail(self, error: BaseException, reason: str) -> None:
+        """The engine is dead (any thread): tell every waiting client once."""
+        self._reason = reason
+        self.error = error
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.put(self._dead())
+
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished (only the final one unless `stream`); cancelling the
         iterator aborts the request."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            raise self._dead()
         children = self.engine.make_requests(request_id, prompt, params)  # ValueError for bad input
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream)
+        s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
-            if self.max_queue_len is not None and len(self.engine.scheduler.waiting) + len(self._inbox) \
-                    >= self.max_queue_len:
+            if self.max_queue_len is not None and self._num_waiting() >= self.max_queue_len:
                 raise QueueFullError(f"the queue is full ({self.max_queue_len} waiting requests)")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._inbox.append(children)
-        self._wake.set()
+            self._streams[request_id] = s
+        self._submit(children, s)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await s.queue.get()
                 # Outputs are cumulative: when the consumer has fallen behind, only the latest one matters
                 # (the server then sends the tokens of several steps in one chunk).
-                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
+                while not isinstance(item, BaseException) and not item.finished and not s.queue.empty():
+                    item = s.queue.get_nowait()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
-                yield item
+                    raise item
+                yield item if s.output is None else snapshot(item)
                 if item.finished:
                     finished = True
                     return
@@ -125,49 +213,61 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            if self._streams.pop(request_id, None) is not None:
-                self._aborts.append(request_id)
-        self._wake.set()
+            known = self._streams.pop(request_id, None) is not None
+        if known:
+            self._abort(request_id)
 
-    # ---- the loop thread ----------------------------------------------------------------------------------
+
+class AsyncEngine(EngineClient):
+    """The step loop on a thread of this process (`vserve serve --no-engine-process`, and under TP/PP)."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
+                 on_step: Callable[[LLMEngine, int, float], None] | None = None,
+                 on_finish: Callable[[RequestOutput, list[Request]], None] | None = None) -> None:
+        super().__init__(engine, max_queue_len, on_step, on_finish)
+        self.loop = StepLoop(engine, self._emit)
+        self._thread = threading.Thread(target=self._run, name="vserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.loop.stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self.loop.stopped
+
+    def _num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self.loop.num_pending()
+
+    def _submit(self, children: list[Request], stream: _Stream) -> None:
+        self.loop.add(children, not stream.final_only)
+
+    def _abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
     def _run(self) -> None:
-        engine = self.engine
         try:
-            while not self._stop.is_set():
-                with self._lock:
-                    inbox, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
-                for children in inbox:
-                    if children[0].parent_id in aborts:
-                        continue
-                    engine.submit(children)
-                for rid in aborts:
-                    engine.abort_request(rid)
-                if not engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                t0 = time.perf_counter()
-                with self._lock:
-                    finished_only = all(s.final_only for s in self._streams.values())
-                outputs = engine.step(finished_only=finished_only)
-                if self.on_step is not None:
-                    self.on_step(engine, engine.last_step_tokens, time.perf_counter() - t0)
-                ready = []
-                for out in outputs:
-                    with self._lock:
-                        stream = self._streams.get(out.request_id)
-                        if out.finished:
-                            self._streams.pop(out.request_id, None)
-                    if out.finished and self.on_finish is not None:
-                        self.on_finish(out, engine.last_finished.get(out.request_id, []))
-                    if stream is not None and (out.finished or not stream.final_only):
-                        ready.append((stream, out))
-                _put_all(ready)
-        except BaseException as e:  # the engine is dead: tell every waiting client once
-            self.error = e
+            self.loop.run()
+        except BaseException as e:  # the engine is dead
             log.error("engine loop stopped: %r", e, exc_info=e)
+            self._fail(e, repr(e))
+
+    def _emit(self, outputs: list[RequestOutput], seconds: float) -> None:
+        engine = self.engine
+        if self.on_step is not None:
+            self.on_step(engine, engine.last_step_tokens, seconds)
+        ready = []
+        for out in outputs:
             with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for s in streams:
-                s.put(e)
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if out.finished and self.on_finish is not None:
+                self.on_finish(out, engine.last_finished.get(out.request_id, []))
+            if stream is not None and (out.finished or not stream.final_only):
+                ready.append((stream, out))
+        put_all(ready)

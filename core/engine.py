@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import atexit
-import json
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from vserve.core.loader import DTYPES, build_model, resolve_model
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_config import ModelConfig
 from vserve.core.model_runner import ModelRunner
+from vserve.core.processor import InputProcessor, load_tokenizer, max_model_len_for  # noqa: F401 (re-exported)
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from vserve.core.sampler import SampledTokens
 from vserve.core.sampling_params import SamplingParams
@@ -51,19 +51,6 @@ def _pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtyp
         return torch.float32
     # vLLM's rule: bf16 checkpoints stay bf16, fp16/fp32 ones run in fp16.
     return torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float16
-
-
-def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
-    if fmt == "gguf":
-        from vserve.core.gguf_file import gguf_tokenizer
-
-        return gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
 
 
 def needs_activation_profile(config: EngineConfig, device: torch.device) -> bool:
@@ -115,11 +102,10 @@ class LLMEngine:
     def _init_rank0(self, config: EngineConfig, path: Path, fmt: str) -> None:
         mc = self.model_config
         self.dtype = _pick_dtype(config.dtype, mc, self.device)
-        self.max_model_len = self._max_model_len(config, mc)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
-            config.trust_remote_code)
-        self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
+        self.processor = InputProcessor(config, path, fmt, mc)
+        self.max_model_len = self.processor.max_model_len
+        self.tokenizer = self.processor.tokenizer
+        self.stop_token_ids = self.processor.stop_token_ids
         self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed, config.quantization)
 
         bs, tp = config.block_size, config.tensor_parallel_size
@@ -171,44 +157,15 @@ class LLMEngine:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            limit = min(limit, mc.sliding_window)  # no sliding-window attention yet: stay inside the window
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {limit}")
-        return config.max_model_len
-
-    def _stop_token_ids(self, folder: Path | None) -> set[int]:
-        ids = set(self.model_config.eos_token_id)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        gen = folder / "generation_config.json" if folder is not None else None
-        if gen is not None and gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return ids
+        return max_model_len_for(config, mc)
 
     @property
     def eos_token_id(self) -> int | None:
-        if self.tokenizer is None:
-            return self.model_config.eos_token_id[0] if self.model_config.eos_token_id else None
-        return self.tokenizer.eos_token_id
+        return self.processor.eos_token_id
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompts as token ids")
-            return self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return self.processor.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validate, then enqueue params.n child requests; nothing is enqueued if anything is invalid."""
@@ -216,36 +173,7 @@ class LLMEngine:
 
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
         """Tokenize and validate (ValueError for bad input) without touching engine state."""
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        params.validate_for_vocab(self.model_config.vocab_size)
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; this engine has none (skip_tokenizer_init)")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
-                             f"--max-model-len {self.max_model_len}")
-        if params.max_tokens is not None and params.max_tokens > room:
-            if not params.truncate_max_tokens:
-                raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                                 f"--max-model-len {self.max_model_len}")
-        max_tokens = min(params.max_tokens or room, room)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.stop_token_ids
-        children = []
-        for i in range(params.n):
-            sp = replace(params, seed=None if params.seed is None else params.seed + i, n=1,
-                         all_stop_token_ids=stops)
-            req = Request(request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                          prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                          prompt=prompt if isinstance(prompt, str) else None, parent_id=request_id, index=i,
-                          eos_token_id=None if params.ignore_eos else self.eos_token_id)
-            if sp.seed is not None:
-                req.generator = torch.Generator().manual_seed(sp.seed)  # CPU: cheap per-row draws
-            children.append(req)
-        return children
+        return self.processor.make_requests(request_id, prompt, params)
 
     def submit(self, children: list[Request]) -> None:
         """Enqueue the children of one request (made by make_requests)."""
@@ -254,6 +182,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.parents[request_id] = children
         for req in children:
+            if req.sampling_params.seed is not None and req.generator is None:
+                req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
             self.requests[req.request_id] = req
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                        req.sampling_params)
@@ -271,9 +201,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, delta: bool = False) -> list[RequestOutput]:
         """schedule -> run -> sample -> append and check stops -> outputs of requests that changed (or, with
-        finished_only, of those that finished: offline batches need no per-step outputs).
+        finished_only, of those that finished: offline batches need no per-step outputs). With delta, each
+        output holds only what is new since that request's last output (tokens, text, logprobs).
 
         With async scheduling the step is launched and the previous step's tokens are processed while it runs,
         so the host's work overlaps the device's; a step's outputs come back from the next call. A request that
@@ -283,7 +214,7 @@ class LLMEngine:
         self.last_finished = {}
         outs: list[RequestOutput] = []
         if self.in_flight is not None and not self._can_overlap():
-            outs += self._process(self.in_flight, finished_only)
+            outs += self._process(self.in_flight, finished_only, delta)
             self.in_flight = None
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_tokens
@@ -297,9 +228,9 @@ class LLMEngine:
             launched = self._launch(sched)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
-            outs += self._process(prev, finished_only)
+            outs += self._process(prev, finished_only, delta)
         if not self.async_scheduling and self.in_flight is not None:
-            outs += self._process(self.in_flight, finished_only)
+            outs += self._process(self.in_flight, finished_only, delta)
             self.in_flight = None
         return outs
 
@@ -328,8 +259,8 @@ class LLMEngine:
             req.num_pending += 1
         return reqs, sampled
 
-    def _process(self, launched: tuple[list[Request], SampledTokens | None],
-                 finished_only: bool) -> list[RequestOutput]:
+    def _process(self, launched: tuple[list[Request], SampledTokens | None], finished_only: bool,
+                 delta: bool = False) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), check stops, and make the outputs."""
         reqs, sampled = launched
         if sampled is None:
@@ -353,7 +284,7 @@ class LLMEngine:
                 changed[req.parent_id] = None
             elif not finished_only:
                 changed[req.parent_id] = None
-        outs = [self._make_output(pid) for pid in changed]
+        outs = [self._make_output(pid, delta) for pid in changed]
         return [o for o in outs if o.finished] if finished_only else outs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -371,18 +302,22 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, parent_id: str) -> RequestOutput:
+    def _make_output(self, parent_id: str, delta: bool = False) -> RequestOutput:
         children = self.parents[parent_id]
         outs = []
         for req in children:
             finished = req.status.finished
-            lps = req.logprobs
+            detok = self.detokenizers[req.request_id]
+            start = req.num_sent_tokens if delta else 0
+            token_ids = req.output_token_ids[start:]
+            lps = req.logprobs[start:] if req.logprobs is not None and delta else req.logprobs
+            if delta:
+                req.num_sent_tokens = req.num_output_tokens
             outs.append(CompletionOutput(
                 index=req.index,
-                text=self.detokenizers[req.request_id].text(finished),
-                token_ids=list(req.output_token_ids),
-                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids))
-                if lps is not None else None,
+                text=detok.new_text(finished) if delta else detok.text(finished),
+                token_ids=token_ids,
+                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, token_ids)) if lps is not None else None,
                 logprobs=lps,
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason,

@@ -43,6 +43,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending: int = 0  # tokens sampled on the device, not yet appended (async scheduling)
+    num_sent_tokens: int = 0  # output tokens already handed out as deltas (the engine process's outputs)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache, set at first schedule
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[int] = field(default_factory=list)

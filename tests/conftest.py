@@ -97,6 +97,13 @@ class ServerProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def engine_pid(self) -> int | None:
+        """The engine process's pid from the server's log (None: the engine loop runs on a thread)."""
+        import re
+
+        found = re.search(r"engine process started \(pid (\d+)\)", self.output())
+        return int(found.group(1)) if found else None
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -106,6 +113,19 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def process_alive():
+    return pid_alive
 
 
 def _start_server(args: list[str], log: Path, timeout: float = 120, env: dict | None = None) -> ServerProcess:

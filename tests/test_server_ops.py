@@ -57,8 +57,10 @@ def test_embeddings_match_transformers(server_factory, tmp_path):
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(server_factory, tiny_model, tmp_path):
+def test_sigterm_drains_in_flight_requests_and_exits_0(server_factory, tiny_model, tmp_path, process_alive):
     s = server_factory([str(tiny_model("llama")), "--max-model-len", "512"], tmp_path / "term.log")
+    engine = s.engine_pid()
+    assert engine is not None and process_alive(engine)  # the engine process, the default
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as http:
@@ -72,10 +74,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server_factory, tiny_mode
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] == 200
     assert s.proc.wait(30) == 0
+    assert not process_alive(engine)  # stopped by the server, not orphaned
     with pytest.raises(httpx.HTTPError):
         httpx.get(s.url + "/health", timeout=2)
 
 
+# The patch runs at import, so also in the engine process (spawn imports this script there as __mp_main__).
 CRASHING_SERVER = textwrap.dedent("""
     import sys
     from vserve.core.config import EngineConfig
@@ -93,11 +97,14 @@ CRASHING_SERVER = textwrap.dedent("""
         return real_step(self, **kwargs)
 
     LLMEngine.step = step
-    sys.exit(serve(EngineConfig(model=sys.argv[1], max_model_len=256), ServeOptions(port=int(sys.argv[2]))))
+    if __name__ == "__main__":
+        opts = ServeOptions(port=int(sys.argv[2]), engine_process=sys.argv[3] == "process")
+        sys.exit(serve(EngineConfig(model=sys.argv[1], max_model_len=256), opts))
 """)
 
 
-def test_engine_crash_makes_health_503_and_exits_nonzero(tiny_model, tmp_path):
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_engine_crash_makes_health_503_and_exits_nonzero(tiny_model, tmp_path, mode):
     from socket import socket
 
     with socket() as sock:
@@ -106,7 +113,7 @@ def test_engine_crash_makes_health_503_and_exits_nonzero(tiny_model, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_SERVER)
     log = tmp_path / "crash.log"
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama")), str(port)],
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama")), str(port), mode],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,4 +1,5 @@
-"""Start the server: load the engine (or the embedding engine), run uvicorn, drain on SIGTERM."""
+"""Start the server: load the engine (in its own process, or on a thread) or the embedding engine, run uvicorn,
+drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ServeOptions:
     max_queue_len: int | None = None
     drain_timeout_s: float = 30.0
     log_interval_s: float = 10.0
+    engine_process: bool = True  # the step loop in its own process; False: on a thread of the server's
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -43,12 +45,9 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
         name = opts.served_model_name or Path(config.model).name
     else:
         from vserve.core.assets import DEFAULT_MODEL_NAME
-        from vserve.core.async_engine import AsyncEngine
-        from vserve.core.engine import LLMEngine
 
-        llm_engine = LLMEngine(config)
         name = opts.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
-        engine = AsyncEngine(llm_engine, opts.max_queue_len)
+        engine = _build_engine(config, opts)
     settings = ServerSettings(served_model_name=name, api_key=opts.api_key, chat_template=template,
                               log_interval_s=opts.log_interval_s)
     app = build_app(engine, settings, embedder=embedder)
@@ -56,6 +55,26 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
         metrics = app.state.metrics
         engine.on_step, engine.on_finish = metrics.on_step, metrics.on_finish
     return app, engine
+
+
+def _build_engine(config: EngineConfig, opts: ServeOptions):
+    """The engine process's client, or the loop thread (asked for, or under TP/PP)."""
+    use_process = opts.engine_process
+    if use_process and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        # Rank 0's collectives and its worker processes stay where they are tested: in the server's process.
+        log.info("tensor/pipeline parallel: the engine loop runs on a thread of the server process "
+                 "(--engine-process is not supported with TP/PP yet)")
+        use_process = False
+    if use_process:
+        from vserve.core.engine_core import EngineCoreClient
+
+        return EngineCoreClient(config, opts.max_queue_len)
+    from vserve.core.async_engine import AsyncEngine
+    from vserve.core.engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(config), opts.max_queue_len)
+    log.info("engine loop on a thread of the server process")
+    return engine
 
 
 def _is_embedding(model: str) -> bool:
@@ -96,10 +115,17 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT (drain, exit 0) or an engine crash (exit 1). Returns the exit status."""
     import uvicorn
 
+    from vserve.core.engine_core import EngineStartError
+
     _DrainingServer = _draining_server_class()
-    app, engine = build_server_app(config, opts)
-    # The engine loop and the event loop share the GIL. A thread coming back from a CUDA wait or a socket
-    # write waits for the other to drop the GIL, by default after 5 ms: longer than a decode step on a GPU.
+    try:
+        app, engine = build_server_app(config, opts)
+    except EngineStartError as e:  # the engine process logged the traceback
+        log.error("%s", e)
+        return 1
+    # The engine loop (or the thread reading the engine process) and the event loop share the GIL. A thread
+    # coming back from a CUDA wait or a socket write waits for the other to drop the GIL, by default after 5 ms:
+    # longer than a decode step on a GPU.
     sys.setswitchinterval(0.0005)
     if engine is not None:
         engine.start()

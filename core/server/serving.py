@@ -11,7 +11,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vserve.core.async_engine import AsyncEngine
+from vserve.core.async_engine import EngineClient, EngineDeadError
 from vserve.core.request import CompletionOutput, RequestOutput
 from vserve.core.server.protocol import (
     ChatCompletionRequest,
@@ -70,6 +70,13 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _stream_error(e: Exception) -> str:
+    """An error after the stream's 200: a dead engine is the 503 it would have been before the headers."""
+    if isinstance(e, EngineDeadError):
+        return _sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": 503}})
+    return _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": 400}})
+
+
 def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
@@ -89,7 +96,7 @@ def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def create_completion(engine: AsyncEngine, body: CompletionRequest, raw: Request, settings):
+async def create_completion(engine: EngineClient, body: CompletionRequest, raw: Request, settings):
     if body.suffix is not None:
         raise ValueError("suffix is not supported")
     best_of = body.best_of or body.n
@@ -214,7 +221,7 @@ async def _stream_completion(engine, body: CompletionRequest, gens, base_id, cre
             yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
                         "choices": [], "usage": usage(n_prompt, n_completion)})
     except (ValueError, RuntimeError) as e:
-        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": 400}})
+        yield _stream_error(e)
     yield "data: [DONE]\n\n"
 
 
@@ -237,7 +244,7 @@ def _chat_logprobs(tokenizer, token_ids: list[int], entries, n_top: int) -> dict
     return {"content": content}
 
 
-async def create_chat_completion(engine: AsyncEngine, body: ChatCompletionRequest, raw: Request, settings):
+async def create_chat_completion(engine: EngineClient, body: ChatCompletionRequest, raw: Request, settings):
     eng = engine.engine
     if body.top_logprobs is not None and not body.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
@@ -294,7 +301,7 @@ async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, to
         if body.stream_options and body.stream_options.include_usage and last is not None:
             yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)))
     except (ValueError, RuntimeError) as e:
-        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": 400}})
+        yield _stream_error(e)
     finally:
         await gen.aclose()
     yield "data: [DONE]\n\n"

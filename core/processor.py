@@ -1,0 +1,114 @@
+"""InputProcessor: tokenize and validate prompts into Requests; what the API process needs of an engine.
+
+It holds the tokenizer, the model config and the limits, never the weights, so the server's process can
+validate and tokenize while the engine runs in another one (core/engine_core.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from vserve.core.config import EngineConfig
+from vserve.core.model_config import ModelConfig
+from vserve.core.request import Request
+from vserve.core.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
+    if fmt == "gguf":
+        from vserve.core.gguf_file import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
+
+
+def max_model_len_for(config: EngineConfig, mc: ModelConfig) -> int:
+    limit = mc.max_position_embeddings
+    if mc.sliding_window is not None:
+        limit = min(limit, mc.sliding_window)  # no sliding-window attention yet: stay inside the window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {limit}")
+    return config.max_model_len
+
+
+class InputProcessor:
+    """Prompts (text or token ids) and SamplingParams -> the n child Requests of one request, or ValueError."""
+
+    def __init__(self, config: EngineConfig, path: Path, fmt: str, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+        self.max_model_len = max_model_len_for(config, model_config)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
+            config.trust_remote_code)
+        self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> InputProcessor:
+        from vserve.core.engine import model_source
+
+        return cls(config, *model_source(config))
+
+    def _stop_token_ids(self, folder: Path | None) -> set[int]:
+        ids = set(self.model_config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = folder / "generation_config.json" if folder is not None else None
+        if gen is not None and gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.tokenizer is None:
+            return self.model_config.eos_token_id[0] if self.model_config.eos_token_id else None
+        return self.tokenizer.eos_token_id
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompts as token ids")
+            return self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """Tokenize and validate (ValueError for bad input) without touching engine state."""
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        params.validate_for_vocab(self.model_config.vocab_size)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine has none (skip_tokenizer_init)")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                             f"--max-model-len {self.max_model_len}")
+        if params.max_tokens is not None and params.max_tokens > room:
+            if not params.truncate_max_tokens:
+                raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                                 f"--max-model-len {self.max_model_len}")
+        max_tokens = min(params.max_tokens or room, room)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.stop_token_ids
+        return [Request(request_id=f"{request_id}-{i}" if params.n > 1 else request_id, prompt_token_ids=ids,
+                        sampling_params=replace(params, seed=None if params.seed is None else params.seed + i, n=1,
+                                                all_stop_token_ids=stops),
+                        max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
+                        parent_id=request_id, index=i, eos_token_id=None if params.ignore_eos else self.eos_token_id)
+                for i in range(params.n)]

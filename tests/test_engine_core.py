@@ -1,0 +1,187 @@
+"""`vserve serve` with the engine in its own process (the default) against `--no-engine-process` (the loop on a
+thread): the same outputs, aborts that free the engine process's KV blocks, and a killed engine process."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model):
+    return tiny_model("llama")
+
+
+def _args(tiny_dir) -> list[str]:
+    return [str(tiny_dir), "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
+            "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory, tiny_dir, tmp_path_factory):
+    """(engine-process server, thread server)."""
+    logs = tmp_path_factory.mktemp("logs")
+    return (server_factory(_args(tiny_dir), logs / "process.log"),
+            server_factory(_args(tiny_dir) + ["--no-engine-process"], logs / "thread.log"))
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def same(a, b) -> bool:
+    """Equal, floats (logprobs) within 1e-4: the engine process runs torch on fewer CPU threads, which changes
+    the order of float sums, never the greedy tokens."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _post(server, route: str, body: dict):
+    """The response body without the parts that differ by run (ids, timestamps); SSE streams as the list of
+    their events, texts and token logprobs joined per choice (how they split into chunks depends on timing)."""
+    if not body.get("stream"):
+        r = httpx.post(server.url + route, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return {k: v for k, v in out.items() if k not in ("id", "created")}
+    joined: dict = {}
+    with httpx.stream("POST", server.url + route, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                joined["usage"] = chunk["usage"]
+            for c in chunk["choices"]:
+                j = joined.setdefault(c["index"], {"text": "", "logprobs": [], "finish_reasons": []})
+                j["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                j["logprobs"] += ((c.get("logprobs") or {}).get("content") or [])
+                j["finish_reasons"] += [c["finish_reason"]] if c["finish_reason"] else []
+    return joined
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": ["Hello there", "The weather today"], "temperature": 0, "max_tokens": 12,
+                         "logprobs": 2}),
+    ("/v1/completions", {"prompt": "Once upon", "temperature": 0, "max_tokens": 16, "stream": True}),
+    ("/v1/completions", {"prompt": ["Hello there", "The weather today"], "temperature": 0, "max_tokens": 12,
+                         "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 10}),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 0, "max_tokens": 12}),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 0, "max_tokens": 12, "stream": True,
+                              "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 10,
+                              "stream": True}),
+])
+def test_engine_process_answers_as_the_thread_does(servers, route, body):
+    proc, thread = servers
+    got, want = _post(proc, route, body), _post(thread, route, body)
+    assert same(got, want), (got, want)
+    if "choices" in got:
+        texts = [c.get("text") or c["message"]["content"] for c in got["choices"]]
+    else:
+        texts = [c["text"] for k, c in got.items() if k != "usage"]
+        assert all(len(c["finish_reasons"]) == 1 for k, c in got.items() if k != "usage")
+    assert all(texts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_same(servers, stream):
+    """A stop string from the middle of the greedy text (held back while streaming, then cut)."""
+    proc, thread = servers
+    body = {"prompt": "Once upon", "temperature": 0, "max_tokens": 16}
+    text = _post(thread, "/v1/completions", body)["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    body = {**body, "stop": [stop], "stream": stream}
+    got, want = _post(proc, "/v1/completions", body), _post(thread, "/v1/completions", body)
+    assert same(got, want), (got, want)
+    cut = got["choices"][0] if not stream else got[0]
+    reason = cut["finish_reason"] if not stream else cut["finish_reasons"][0]
+    assert reason == "stop" and stop not in cut["text"] and text.startswith(cut["text"])
+
+
+def test_disconnect_frees_the_engine_process_kv_blocks(servers):
+    proc, _ = servers
+
+    async def main():
+        body = {"prompt": "A long story", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", proc.url + "/v1/completions", json=body) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: ")
+                    if n == 3:
+                        break
+                return (await http.get(proc.url + "/metrics")).text
+
+    during = asyncio.run(main())  # the stream is closed here: the server aborts it in the engine process
+    assert _metric(during, "vserve:num_requests_running") == 1
+    assert _metric(during, "vserve:kv_cache_usage_perc") > 0
+    for _ in range(50):
+        after = httpx.get(proc.url + "/metrics").text
+        if _metric(after, "vserve:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(after, "vserve:kv_cache_usage_perc") == 0
+    assert _metric(after, "vserve:num_requests_running") == 0
+    assert _metric(after, "vserve:generation_tokens_total") >= 3
+
+
+def test_killed_engine_process_fails_requests_with_503(servers):
+    """Last in this module: it takes the engine-process server down."""
+    proc, _ = servers
+    pid = proc.engine_pid()
+
+    async def main():
+        long = {"prompt": "Tell a long story", "max_tokens": 400, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            plain = asyncio.ensure_future(http.post(proc.url + "/v1/completions", json=long))
+            events = []
+            async with http.stream("POST", proc.url + "/v1/completions", json={**long, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 2:
+                            os.kill(pid, signal.SIGKILL)
+            return await plain, events
+
+    t0 = time.monotonic()
+    plain, events = asyncio.run(main())
+    assert time.monotonic() - t0 < 30
+    assert plain.status_code == 503
+    assert "engine process died" in plain.json()["error"]["message"]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 503 and "engine process died" in err["message"]
+    try:
+        r = httpx.post(proc.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503
+    except httpx.ConnectError:
+        pass  # the server already went down
+    assert proc.proc.wait(30) == 1
+    assert "the engine process died (exit code -9)" in proc.output()
+
+
+def test_engine_process_start_up_error_is_one_line_exit_2(tiny_dir):
+    """A bad-input error raised while the engine process builds the engine reads as it does in-process."""
+    r = subprocess.run([sys.executable, "-m", "vserve.cli.main", "serve", *_args(tiny_dir), "--num-kv-blocks", "1",
+                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: the KV cache holds 1 blocks of 16 tokens")
+    assert "Traceback" not in r.stderr + r.stdout
