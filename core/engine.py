@@ -17,7 +17,7 @@ from vserve.core.loader import DTYPES, build_model, resolve_model
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_config import ModelConfig
 from vserve.core.model_runner import ModelRunner
-from vserve.core.processor import InputProcessor, load_tokenizer, max_model_len_for  # noqa: F401 (re-exported)
+from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from vserve.core.sampler import SampledTokens
 from vserve.core.sampling_params import SamplingParams
@@ -154,10 +154,6 @@ class LLMEngine:
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.last_step_tokens = 0  # tokens computed by the last step
         self.last_finished: dict[str, list[Request]] = {}  # parents finished in the last step -> children
-
-    @staticmethod
-    def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        return max_model_len_for(config, mc)
 
     @property
     def eos_token_id(self) -> int | None:

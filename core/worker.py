@@ -31,8 +31,9 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
 
 @torch.inference_mode()
 def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: str, init_method: str) -> None:
-    from vserve.core.engine import LLMEngine, load_model, needs_activation_profile
+    from vserve.core.engine import load_model, needs_activation_profile
     from vserve.core.model_runner import ModelRunner, profile_peak_activation
+    from vserve.core.processor import max_model_len_for
 
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     device = rank_device(device_type, local_rank)
@@ -42,7 +43,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: s
     try:
         mc, _, _, dtype, model = load_model(config, device)
         if needs_activation_profile(config, device):  # rank 0 profiles too: the forward is collective
-            profile_peak_activation(model, mc, config.max_num_batched_tokens, LLMEngine._max_model_len(config, mc),
+            profile_peak_activation(model, mc, config.max_num_batched_tokens, max_model_len_for(config, mc),
                                     config.max_num_seqs, config.block_size, dtype, device)
         info = distributed.broadcast_object()
         if info is None:  # rank 0 failed while starting
