@@ -75,12 +75,13 @@ class StepLoop:
                  on_idle: Callable[[], None] | None = None) -> None:
         self.engine, self.emit, self.delta, self.on_idle = engine, emit, delta, on_idle
         self._lock = threading.Lock()
-        self._inbox: list[tuple[list[Request], bool]] = []
-        self._aborts: list[str] = []
+        # Adds and aborts in arrival order: an abort and a new request reusing its id can arrive between two
+        # passes, and the abort must reach the old request only.
+        self._inbox: list[tuple[list[Request], bool] | str] = []
         self._streaming: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.num_taken = 0  # requests taken from the inbox (submitted, or dropped as aborted)
+        self.num_taken = 0  # requests taken from the inbox
 
     def add(self, children: list[Request], stream: bool) -> None:
         with self._lock:
@@ -89,11 +90,13 @@ class StepLoop:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self._inbox.append(request_id)
         self._wake.set()
 
     def num_pending(self) -> int:
-        return len(self._inbox)
+        """Requests added but not yet taken."""
+        with self._lock:
+            return sum(not isinstance(item, str) for item in self._inbox)
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,19 +112,18 @@ class StepLoop:
         while not self._stop.is_set():
             with self._lock:
                 inbox, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, []
-            self.num_taken += len(inbox)
-            for children, stream in inbox:
-                if children[0].parent_id in aborts:
+            for item in inbox:
+                if isinstance(item, str):  # an abort
+                    engine.abort_request(item)
+                    self._streaming.discard(item)
                     continue
+                children, stream = item
+                self.num_taken += 1
                 engine.submit(children)
                 if stream:
                     self._streaming.add(children[0].parent_id)
-            for rid in aborts:
-                engine.abort_request(rid)
-                self._streaming.discard(rid)
             if not engine.has_unfinished_requests():
-                if (inbox or aborts) and self.on_idle is not None:
+                if inbox and self.on_idle is not None:
                     self.on_idle()
                 self._wake.wait(0.5)
                 self._wake.clear()

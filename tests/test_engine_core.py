@@ -185,3 +185,38 @@ def test_engine_process_start_up_error_is_one_line_exit_2(tiny_dir):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: the KV cache holds 1 blocks of 16 tokens")
     assert "Traceback" not in r.stderr + r.stdout
+
+
+class _RecordingEngine:
+    """What StepLoop calls on an engine, in order; it never has work, so one pass ends in on_idle."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def submit(self, children) -> None:
+        self.calls.append(("submit", children[0].request_id))
+
+    def abort_request(self, request_id: str) -> None:
+        self.calls.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_an_abort_and_a_new_request_reusing_its_id_in_one_pass_keep_their_order():
+    """Both engine kinds run StepLoop: a client that aborts request "x" and at once sends a new "x" must get the
+    new one served (it used to be dropped with the old one when both landed in the same pass)."""
+    from types import SimpleNamespace
+
+    from vserve.core.async_engine import StepLoop
+
+    engine = _RecordingEngine()
+    loop = StepLoop(engine, emit=lambda outputs, seconds: None, on_idle=lambda: loop.stop())
+    old, new = SimpleNamespace(request_id="x-old", parent_id="x"), SimpleNamespace(request_id="x-new", parent_id="x")
+    loop.add([old], True)
+    loop.abort("x")
+    loop.add([new], True)
+    assert loop.num_pending() == 2
+    loop.run()
+    assert engine.calls == [("submit", "x-old"), ("abort", "x"), ("submit", "x-new")]
+    assert loop.num_taken == 2 and loop.num_pending() == 0
