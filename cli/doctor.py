@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vserve.cli.engine_args import exit_on_bad_input
+from vserve.core.config import KV_CACHE_DTYPES  # plain dataclass module, no torch
 
 console = Console(highlight=False)
 STYLE = {"ok": ("✓ ok", "green"), "warn": ("! warn", "yellow"), "fail": ("✗ fail", "red"), "skip": ("- skip", "dim")}
@@ -29,6 +30,7 @@ def doctor(
     gpu_memory_utilization: float | None = typer.Option(None, help="Fraction of GPU memory (default: the "
                                                         "profile's)"),
     max_num_seqs: int | None = typer.Option(None, help="Most sequences in one step (default: the profile's)"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto or fp8: plan the KV cache in the model's dtype or fp8"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report"),
 ) -> None:
     """Check the GPU, driver, torch/Triton/NCCL and /dev/shm, and whether MODEL fits (with remedies)."""
@@ -40,10 +42,13 @@ def doctor(
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         env = probe.probe_environment()
         report = run_doctor(env, model=model, profile=profile, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, quantization=quantization,
-                            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+                            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                            kv_cache_dtype=kv_cache_dtype)
     if json_out:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:

@@ -327,8 +327,9 @@ BITS = {None: 16, "fp8": 8, "int8": 8, "awq": 4, "gptq": 4}
 
 
 def remedies(m: ModelConfig, plan: MemoryPlan, settings: dict, profile: GpuProfile | None) -> list[Remedy]:
-    """What would make the plan fit (or fit better), in order: quantize, raise TP, quantize and raise TP, lower
-    --max-model-len or --max-num-seqs, raise --gpu-memory-utilization; each with the plan it would give."""
+    """What would make the plan fit (or fit better), in order: quantize, raise TP, quantize and raise TP, an fp8
+    KV cache (GPUs with fp8), lower --max-model-len or --max-num-seqs, raise --gpu-memory-utilization; each with
+    the plan it would give."""
     if plan.verdict == "fits":
         return []
     out: list[Remedy] = []
@@ -368,6 +369,9 @@ def remedies(m: ModelConfig, plan: MemoryPlan, settings: dict, profile: GpuProfi
                 add(f"quantize to 4-bit with AWQ and raise --tensor-parallel-size to {t}",
                     {"quantization": "awq", "tensor_parallel_size": t}, p)
                 break
+    if (profile is None or profile.fp8) and settings.get("kv_dtype_bytes") != 1 and \
+            better(p := plan_with(kv_dtype_bytes=1)):
+        add("store the KV cache in fp8 (--kv-cache-dtype fp8)", {"kv_cache_dtype": "fp8"}, p)
     if plan.num_blocks > 0:
         length = plan.num_blocks * plan.block_size // min(TIGHT_CONCURRENCY, plan.max_num_seqs) // 256 * 256
         if length < 256:
@@ -438,11 +442,13 @@ def check_plan(env: Environment, model: str | None, profile: str | None, tp: int
 
 def run_doctor(env: Environment, model: str | None = None, profile: str | None = None, tensor_parallel_size: int = 1,
                max_model_len: int | None = None, quantization: str | None = None,
-               gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None) -> Report:
+               gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None,
+               kv_cache_dtype: str = "auto") -> Report:
     tp = tensor_parallel_size
     planning_for = profile if profile not in (None, "auto") else None
     plan_check, report = check_plan(env, model, profile, tp, max_model_len, {
-        "quantization": quantization, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs})
+        "quantization": quantization, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
+        "kv_dtype_bytes": 1 if kv_cache_dtype.startswith("fp8") else None})
     utilization = gpu_memory_utilization or (report.plan.gpu_memory_utilization if report.plan else 0.9)
     report.checks = [check_gpu(env, planning_for), check_torch(env), check_cuda_driver(env), check_versions(env),
                      check_nccl(env, tp), check_nccl_env(env, tp), check_topology(env, tp), check_triton(env),

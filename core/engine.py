@@ -16,7 +16,7 @@ from vserve.core.kv_cache import KVCacheManager
 from vserve.core.loader import DTYPES, build_model, resolve_model
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_config import ModelConfig
-from vserve.core.model_runner import ModelRunner
+from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from vserve.core.sampler import SampledTokens
@@ -102,6 +102,7 @@ class LLMEngine:
     def _init_rank0(self, config: EngineConfig, path: Path, fmt: str) -> None:
         mc = self.model_config
         self.dtype = _pick_dtype(config.dtype, mc, self.device)
+        kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, self.device)  # before loading: GPUs without fp8
         self.processor = InputProcessor(config, path, fmt, mc)
         self.max_model_len = self.processor.max_model_len
         self.tokenizer = self.processor.tokenizer

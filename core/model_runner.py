@@ -44,9 +44,16 @@ class StepInputs:
     pending_src: torch.Tensor | None = None
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto keeps the model's dtype; fp8 / fp8_e4m3 store float8 e4m3fn."""
-    return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else dtype
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 / fp8_e4m3 store float8 e4m3fn (on CUDA, GPUs of
+    compute capability >= 8.9, where Triton converts e4m3)."""
+    if not kv_cache_dtype.startswith("fp8"):
+        return dtype
+    if device.type == "cuda" and (cap := torch.cuda.get_device_capability(device)) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs a GPU of compute capability >= 8.9 (Ada, Hopper "
+                         f"or newer); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use "
+                         f"--kv-cache-dtype auto")
+    return torch.float8_e4m3fn
 
 
 class ModelRunner:
@@ -58,7 +65,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)

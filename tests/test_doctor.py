@@ -137,6 +137,40 @@ def test_planning_for_a_named_profile_on_a_machine_without_gpu():
     assert report.healthy
 
 
+def test_an_fp8_kv_cache_is_offered_on_fp8_gpus_and_planned_when_asked_for():
+    """llama-2-7b at 4096 tokens on one RTX 4090 (Ada: fp8) is tight: half the KV bytes per token doubles the
+    concurrency; already asked for (--kv-cache-dtype fp8), it is planned and not offered again; on an A10G
+    (Ampere: no fp8) it is never offered."""
+    env = replace(HEALTHY, gpus=[RTX4090], torch_gpu_count=1, p2p={}, nvlink=False)
+    report = run_doctor(env, model="llama-2-7b", max_model_len=4096)
+    assert report.plan.verdict == "tight"
+    kv = next(r for r in report.remedies if r.flags == {"kv_cache_dtype": "fp8"})
+    assert kv.action == "store the KV cache in fp8 (--kv-cache-dtype fp8)"
+    assert kv.plan.kv_bytes_per_token * 2 == report.plan.kv_bytes_per_token
+    assert kv.plan.max_concurrency > 1.9 * report.plan.max_concurrency
+    assert kv.plan.verdict == "fits" and kv.supported
+    asked = run_doctor(env, model="llama-2-7b", max_model_len=4096, kv_cache_dtype="fp8")
+    assert asked.plan.kv_bytes_per_token == kv.plan.kv_bytes_per_token
+    assert not any(r.flags.get("kv_cache_dtype") for r in asked.remedies)
+    a10g = replace(HEALTHY, gpus=[A10G], torch_gpu_count=1, p2p={}, nvlink=False)
+    ampere = run_doctor(a10g, model="llama-2-7b").remedies
+    assert ampere and not any(r.flags.get("kv_cache_dtype") for r in ampere)
+
+
+def test_kv_cache_fp8_is_refused_on_gpus_without_fp8(monkeypatch):
+    import torch
+
+    from vserve.core.model_runner import kv_cache_torch_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs a GPU of compute capability >= 8.9 .*"
+                                         r"NVIDIA A100-SXM4-80GB has 8.0: use --kv-cache-dtype auto"):
+        kv_cache_torch_dtype("fp8", torch.bfloat16, torch.device("cuda", 0))
+    assert kv_cache_torch_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16
+    assert kv_cache_torch_dtype("fp8", torch.float32, torch.device("cpu")) == torch.float8_e4m3fn
+
+
 def test_lower_max_model_len_is_offered_when_one_sequence_does_not_fit():
     env = replace(HEALTHY, gpus=[A10G], torch_gpu_count=1, p2p={}, nvlink=False)
     report = run_doctor(env, model="llama-3.1-8b")  # 131072-token context
