@@ -30,16 +30,22 @@ _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
 
 
 @triton.jit
-def _unpack_cols(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
-    """int32 words [R, C] -> codes [R, C * 32/BITS]: each word's fields become consecutive columns (AutoAWQ's
-    nibble order (0, 4, 1, 5, 2, 6, 3, 7) when AWQ_ORDER, else field j is column j)."""
-    PER: tl.constexpr = 32 // BITS
-    j = tl.arange(0, PER)
+def _field_shifts(BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """Bit offset, inside its int32, of the j-th of the 32/BITS values a word packs: AutoAWQ's nibble order
+    (value j in field (0, 4, 1, 5, 2, 6, 3, 7)[j]) when AWQ_ORDER, else field j."""
+    j = tl.arange(0, 32 // BITS)
     if AWQ_ORDER:
         shift = ((j // 2) + (j % 2) * 4) * 4
     else:
         shift = j * BITS
-    q = (word[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+    return shift
+
+
+@triton.jit
+def _unpack_cols(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """int32 words [R, C] -> codes [R, C * 32/BITS]: each word's values become consecutive columns."""
+    PER: tl.constexpr = 32 // BITS
+    q = (word[:, :, None] >> _field_shifts(BITS, AWQ_ORDER)[None, None, :]) & ((1 << BITS) - 1)
     return tl.reshape(q, (R, C * PER))
 
 
@@ -47,8 +53,7 @@ def _unpack_cols(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, AWQ
 def _unpack_rows(word, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
     """int32 words [R, C] packed along K -> codes [R * 32/BITS, C]: field j of row r is row r * 32/BITS + j."""
     PER: tl.constexpr = 32 // BITS
-    shift = tl.arange(0, PER) * BITS
-    q = (word[:, None, :] >> shift[None, :, None]) & ((1 << BITS) - 1)
+    q = (word[:, None, :] >> _field_shifts(BITS, False)[None, :, None]) & ((1 << BITS) - 1)
     return tl.reshape(q, (R * PER, C))
 
 
@@ -150,7 +155,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_s
         nw = pid_n * (BLOCK_N // PER) + tl.arange(0, BLOCK_N // PER)
         n = nw[:, None] * PER + j[None, :]
         n_mask = n < N
-        shift = ((j // 2) + (j % 2) * 4) * 4
+        shift = _field_shifts(BITS, True)
         acc = tl.zeros((BLOCK_N // PER, PER), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -175,7 +180,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_s
             x = tl.load(x_ptr + kw[:, None] * PER + j[None, :], mask=kw_mask[:, None], other=0.0).to(tl.float32)
             word = tl.load(qw_ptr + kw[:, None] * stride_qk + n[None, :] * stride_qn,
                            mask=kw_mask[:, None] & n_mask[None, :], other=0)
-            q = ((word[:, None, :] >> (j * BITS)[None, :, None]) & MASK).to(tl.float32)
+            q = ((word[:, None, :] >> _field_shifts(BITS, False)[None, :, None]) & MASK).to(tl.float32)
             xq = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
             g = k0 // group_size
             sc = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
