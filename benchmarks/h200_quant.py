@@ -253,24 +253,16 @@ def section_bs1(res: dict, base: dict) -> None:
                                                              enforce_eager=False))
 
 
-def section_throughput(res: dict, base: dict) -> None:
+def section_throughput(res: dict, base: dict, runs=(("bf16", "auto"), ("fp8", "auto"))) -> None:
+    """256 requests, outputs U[100, 1024], for each (weights, --kv-cache-dtype) of runs, in this process. The
+    throughput_kv section: bf16 with the model-dtype cache beside bf16 and FP8 W8A8 weights over an fp8 cache."""
     from h200_engine import run_vserve, workload
 
     p, o = workload(256, 0, base["vocab_size"], (100, 1024))
-    for q in ("bf16", "fp8"):
-        res[f"throughput_256_u100_1024_{q}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256,
-                                                                     enforce_eager=False))
-
-
-def section_throughput_kv(res: dict, base: dict) -> None:
-    """The throughput workload with an fp8 KV cache (--kv-cache-dtype fp8), bf16 and FP8 W8A8 weights, beside
-    the bf16 run with the model-dtype cache, in the same process."""
-    from h200_engine import run_vserve, workload
-
-    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
-    for q, kv in (("bf16", "auto"), ("bf16", "fp8"), ("fp8", "fp8")):
-        res[f"throughput_256_u100_1024_{q}_kv_{kv}"] = _drop_plan(run_vserve(
-            _model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv))
+    for q, kv in runs:
+        key = f"throughput_256_u100_1024_{q}" + ("" if kv == "auto" else f"_kv_{kv}")
+        res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
+                                         kv_cache_dtype=kv))
 
 
 def _drop_plan(r: dict) -> dict:
@@ -362,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                     "memory": lambda r: section_memory(r, "cuda", LLAMA3_8B),
                     "bs1": lambda r: section_bs1(r, LLAMA3_8B),
                     "throughput": lambda r: section_throughput(r, LLAMA3_8B),
-                    "throughput_kv": lambda r: section_throughput_kv(r, LLAMA3_8B)}
+                    "throughput_kv": lambda r: section_throughput(r, LLAMA3_8B, (("bf16", "auto"), ("bf16", "fp8"),
+                                                                                 ("fp8", "fp8")))}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "capability": torch.cuda.get_device_capability()}
