@@ -8,6 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from vserve.cli.bench_serve import _sse_events
 from vserve.cli.main import app
 
 runner = CliRunner()
@@ -87,6 +88,14 @@ def test_serve_bench_counts_400s_as_failures(server, tiny_dir):
         assert e.startswith("stream error 400: prompt (") and "--max-model-len 256" in e, e
 
 
+def test_sse_events_keep_a_partial_line_for_the_next_read():
+    buf = bytearray(b'data: {"a": 1}\n\ndata: {"b"')
+    assert _sse_events(buf) == ['{"a": 1}'] and buf == bytearray(b'data: {"b"')
+    assert _sse_events(buf) == [] and buf == bytearray(b'data: {"b"')  # still no line end
+    buf += b': 2}\n\n: a comment\ndata:[DONE]\n\n'
+    assert _sse_events(buf) == ['{"b": 2}', "[DONE]"] and buf == bytearray()
+
+
 def test_serve_bench_counts_refused_connections_as_failures(tiny_dir):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -94,7 +103,7 @@ def test_serve_bench_counts_refused_connections_as_failures(tiny_dir):
     out = bench("--base-url", f"http://127.0.0.1:{port}", "--model", "x", "--tokenizer", str(tiny_dir),
                 "--num-prompts", "3", "--input-len", "4", "--output-len", "2")
     (run,) = out["runs"]
-    assert run["failed"] == 3 and all(e.startswith("ConnectError") for e in run["errors"])
+    assert run["failed"] == 3 and all(e.startswith("ClientConnectorError") for e in run["errors"])
 
 
 def test_serve_bench_unreachable_server_without_model_is_one_error_line(tiny_dir):

@@ -1,0 +1,163 @@
+"""A step timeline of every vserve engine in any process started with this folder on PYTHONPATH.
+
+    VSERVE_STEP_TRACE_DIR=DIR PYTHONPATH=benchmarks/steptrace:... python benchmarks/h200_bench.py ...
+
+Python imports `sitecustomize` at start-up, so the server, its engine process (spawned) and the benchmark's own
+offline engine are all traced without a change to vserve: each process appends JSON lines to
+DIR/trace-PID.jsonl, one per engine step (start, end, seconds waiting for the device's tokens, seconds in the
+runner's launch, tokens scheduled, requests running/waiting, outputs made, streaming or finished-only), one per
+emitted engine-process message (seconds to build and send it), one per message the server's reader applies,
+one per request the step loop takes in, one per streamed completion (handler start, first and last chunk) and one
+per `bench serve` request (sent, first token, end).
+benchmarks/steptrace/analyze.py summarizes the files. Only for benchmarking: it adds ~20 us per step.
+"""
+
+import atexit
+import json
+import os
+import time
+
+_DIR = os.environ.get("VSERVE_STEP_TRACE_DIR")
+
+
+def _install() -> None:
+    import importlib.abc
+    import sys
+
+    state = {"wait": 0.0, "launch": 0.0, "lines": []}
+    path = os.path.join(_DIR, f"trace-{os.getpid()}.jsonl")
+
+    def flush() -> None:
+        if state["lines"]:
+            with open(path, "a") as fh:
+                fh.write("".join(state["lines"]))
+            state["lines"] = []
+
+    def record(**kw) -> None:
+        state["lines"].append(json.dumps(kw) + "\n")
+        if len(state["lines"]) >= 200:
+            flush()
+
+    atexit.register(flush)
+
+    def patch_sampler(mod) -> None:
+        orig = mod.SampledTokens.resolve
+
+        def resolve(self):
+            t0 = time.perf_counter()
+            try:
+                return orig(self)
+            finally:
+                state["wait"] += time.perf_counter() - t0
+        mod.SampledTokens.resolve = resolve
+
+    def patch_runner(mod) -> None:
+        orig = mod.ModelRunner.launch
+
+        def launch(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                state["launch"] += time.perf_counter() - t0
+        mod.ModelRunner.launch = launch
+
+    def patch_engine(mod) -> None:
+        orig = mod.LLMEngine.step
+
+        def step(self, finished_only=False, delta=False):
+            state["wait"] = state["launch"] = 0.0
+            t0 = time.perf_counter()
+            outs = orig(self, finished_only, delta)
+            t1 = time.perf_counter()
+            s = self.scheduler
+            record(k="step", t0=t0, t1=t1, wait=state["wait"], launch=state["launch"], tokens=self.last_step_tokens,
+                   running=len(s.running), waiting=len(s.waiting), outs=len(outs), stream=not finished_only)
+            if len(state["lines"]) == 1 or not s.running:
+                flush()
+            return outs
+        mod.LLMEngine.step = step
+
+    def patch_core(mod) -> None:
+        orig_emit = mod.EngineCore._emit
+
+        def _emit(self, outputs, seconds):
+            t0 = time.perf_counter()
+            orig_emit(self, outputs, seconds)
+            record(k="emit", t0=t0, t1=time.perf_counter(), n=len(outputs))
+        mod.EngineCore._emit = _emit
+        orig_on_step = mod.EngineCoreClient._on_step
+
+        def _on_step(self, deltas, stats):
+            t0 = time.perf_counter()
+            orig_on_step(self, deltas, stats)
+            record(k="recv", t0=t0, t1=time.perf_counter(), n=len(deltas))
+        mod.EngineCoreClient._on_step = _on_step
+
+    def patch_loop(mod) -> None:
+        orig_add = mod.StepLoop.add
+
+        def add(self, children, stream):
+            record(k="add", t=time.perf_counter())
+            return orig_add(self, children, stream)
+        mod.StepLoop.add = add
+
+    def patch_serving(mod) -> None:
+        orig = mod._stream_completion
+
+        async def _stream_completion(*a, **k):
+            t_in, first = time.perf_counter(), None
+            async for chunk in orig(*a, **k):
+                if first is None:
+                    first = time.perf_counter()
+                yield chunk
+            record(k="http", t_in=t_in, first=first, last=time.perf_counter())
+        mod._stream_completion = _stream_completion
+
+    def patch_client(mod) -> None:
+        orig = mod.send_request
+
+        async def send_request(*a, **k):
+            sent = time.perf_counter()
+            out = await orig(*a, **k)
+            record(k="req", sent=sent, first=sent + out.ttft if out.ttft else None, end=time.perf_counter())
+            return out
+        mod.send_request = send_request
+
+    patches = {"vserve.core.server.serving": patch_serving, "vserve.cli.bench_serve": patch_client,
+               "vserve.core.sampler": patch_sampler, "vserve.core.model_runner": patch_runner,
+               "vserve.core.engine": patch_engine, "vserve.core.engine_core": patch_core,
+               "vserve.core.async_engine": patch_loop}
+
+    class Finder(importlib.abc.MetaPathFinder):
+        """Patches each module right after its first import."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name not in patches:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                import importlib.util
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            if spec is None:
+                return None
+            loader, fix = spec.loader, patches[name]
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):
+                    return loader.create_module(spec)
+
+                def exec_module(self, module):
+                    loader.exec_module(module)
+                    fix(module)
+            spec.loader = Loader()
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+if _DIR:
+    os.makedirs(_DIR, exist_ok=True)
+    _install()
