@@ -34,7 +34,16 @@ quant fp8-w8a8 --method fp8 && ppl fp8-w8a8 "$OUT/fp8-w8a8"
 quant fp8-w8a16 --method fp8 --weight-only && ppl fp8-w8a16 "$OUT/fp8-w8a16"
 quant awq-w4-g64 --method awq --group-size 64 && ppl awq-w4-g64 "$OUT/awq-w4-g64"
 quant gptq-w4-g64 --method gptq --group-size 64 && ppl gptq-w4-g64 "$OUT/gptq-w4-g64"
-quant int8-w8a8-sq --method int8 && ppl int8-w8a8-sq "$OUT/int8-w8a8-sq"
+quant int8-w8a8-sq --method int8 --smoothquant-alpha 0.5 && ppl int8-w8a8-sq "$OUT/int8-w8a8-sq"
+quant fp8-w8a8-gptq --method fp8 --gptq && ppl fp8-w8a8-gptq "$OUT/fp8-w8a8-gptq"
+quant int8-w8a8-sq-gptq --method int8 --smoothquant-alpha 0.5 --gptq && ppl int8-w8a8-sq-gptq "$OUT/int8-w8a8-sq-gptq"
+# SmoothQuant's alpha searched per group (int8's default; opt-in for fp8)
+quant int8-w8a8-sq-auto --method int8 --smoothquant-alpha auto && ppl int8-w8a8-sq-auto "$OUT/int8-w8a8-sq-auto"
+quant int8-w8a8-sq-auto-gptq --method int8 --smoothquant-alpha auto --gptq
+ppl int8-w8a8-sq-auto-gptq "$OUT/int8-w8a8-sq-auto-gptq"
+quant fp8-w8a8-sq-auto --method fp8 --smoothquant-alpha auto && ppl fp8-w8a8-sq-auto "$OUT/fp8-w8a8-sq-auto"
+quant fp8-w8a8-sq-auto-gptq --method fp8 --smoothquant-alpha auto --gptq
+ppl fp8-w8a8-sq-auto-gptq "$OUT/fp8-w8a8-sq-auto-gptq"
 if [ -n "${AUTOAWQ_PY:-}" ]; then
   PY=$AUTOAWQ_PY quant autoawq-w4-g64 --method awq --backend autoawq --group-size 64
   ppl autoawq-w4-g64 "$OUT/autoawq-w4-g64"

@@ -18,6 +18,17 @@ def _size(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _alphas(alphas: list[float | None]) -> str:
+    """"mean 0.71 over 60 groups, 30 of 90 left unsmoothed" (None: a group SmoothQuant's search did not smooth)."""
+    chosen = [a for a in alphas if a is not None]
+    if not chosen:
+        return f"all {len(alphas)} groups left unsmoothed"
+    text = f"mean {sum(chosen) / len(chosen):.2f} over {len(chosen)} groups"
+    if len(chosen) < len(alphas):
+        text += f", {len(alphas) - len(chosen)} of {len(alphas)} left unsmoothed"
+    return text
+
+
 def quantize(
     model: str | None = typer.Argument(None, metavar="[MODEL]", show_default=False,
                                        help="HF model folder or .gguf file (default: the embedded SmolLM2-135M)."),
@@ -38,8 +49,10 @@ def quantize(
     weight_only: bool = typer.Option(False, "--weight-only", help="fp8, int8: W8A16, activations stay 16-bit."),
     gptq: bool = typer.Option(False, "--gptq", help="fp8, int8: round the weights with GPTQ's error feedback on "
                               "the calibration inputs instead of to nearest (as llm-compressor's W8A8 recipe)."),
-    smoothquant_alpha: float | None = typer.Option(None, help="int8 W8A8: SmoothQuant migration strength in [0, 1] "
-                                                   "(default 0.5).", show_default=False),
+    smoothquant_alpha: str | None = typer.Option(None, metavar="FLOAT|auto", help="fp8, int8 W8A8: SmoothQuant "
+                                                 "migration strength in [0, 1], or auto: searched per group of "
+                                                 "linears on the calibration inputs (int8's default; fp8 is not "
+                                                 "smoothed unless given).", show_default=False),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output-dir."),
     seed: int = typer.Option(0, help="Seed of the calibration sample choice."),
 ) -> None:
@@ -63,8 +76,7 @@ def quantize(
     table.add_row("calibration", f"{summary.calib_samples} x {summary.seq_len} tokens of {opts.calib_data}"
                   if summary.calib_samples else "none needed")
     if summary.alphas:
-        table.add_row("AWQ alpha", f"mean {sum(summary.alphas) / len(summary.alphas):.2f} over "
-                      f"{len(summary.alphas)} groups")
+        table.add_row("AWQ alpha" if opts.method == "awq" else "SmoothQuant alpha", _alphas(summary.alphas))
     table.add_row("time", f"{summary.seconds:.1f} s")
     ratio = summary.bytes_before / max(summary.bytes_after, 1)
     table.add_row("size", f"{_size(summary.bytes_before)} -> {_size(summary.bytes_after)} ({ratio:.1f}x smaller)")

@@ -28,7 +28,7 @@ class QuantizeOptions:
     desc_act: bool = False  # gptq
     weight_only: bool = False  # fp8 / int8: W8A16
     gptq: bool = False  # fp8 / int8: GPTQ error-feedback rounding of the per-channel weights
-    smoothquant_alpha: float | None = None  # int8 W8A8; None: 0.5
+    smoothquant_alpha: float | str | None = None  # W8A8: in [0, 1] or "auto"; None: auto (int8), no smoothing (fp8)
     overwrite: bool = False
     seed: int = 0
 
@@ -57,12 +57,12 @@ class QuantizeOptions:
             raise ValueError(f"--gptq applies to --method fp8 or int8 (for 4-bit GPTQ use --method gptq), got "
                              f"--method {self.method}")
         if self.smoothquant_alpha is not None:
-            if self.method != "int8" or self.weight_only:
-                raise ValueError("--smoothquant-alpha applies to --method int8 (W8A8) only")
-            if not 0.0 <= self.smoothquant_alpha <= 1.0:
-                raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {self.smoothquant_alpha}")
+            if self.method not in ("fp8", "int8") or self.weight_only:
+                raise ValueError("--smoothquant-alpha applies to W8A8 only (--method fp8 or int8, without "
+                                 "--weight-only: weight-only schemes keep their activations in 16 bits)")
+            self.smoothquant_alpha = _alpha(self.smoothquant_alpha)
         elif self.method == "int8" and not self.weight_only:
-            self.smoothquant_alpha = 0.5
+            self.smoothquant_alpha = "auto"
         if self.needs_calibration and (self.num_samples < 1 or self.seq_len < 2):
             raise ValueError(f"need --num-samples >= 1 and --seq-len >= 2, got {self.num_samples} and {self.seq_len}")
         out = Path(self.output_dir)
@@ -73,7 +73,8 @@ class QuantizeOptions:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("awq", "gptq") or self.gptq or (self.method == "int8" and not self.weight_only)
+        return self.method in ("awq", "gptq") or self.gptq or self.smoothquant_alpha is not None or (
+            self.method == "int8" and not self.weight_only)
 
     @property
     def layout(self) -> str:
@@ -92,7 +93,8 @@ class QuantizeOptions:
         rounding = f", GPTQ rounding{', desc_act' if self.desc_act else ''}" if self.gptq else ""
         if self.weight_only:
             return f"{self.method.upper()} W8A16{rounding}, compressed-tensors"
-        smooth = f" SmoothQuant alpha {self.smoothquant_alpha:g}" if self.method == "int8" else ""
+        alpha = self.smoothquant_alpha
+        smooth = "" if alpha is None else f" SmoothQuant alpha {alpha if alpha == 'auto' else format(alpha, 'g')}"
         return f"{self.method.upper()} W8A8{smooth}{rounding}, dynamic per-token activations, compressed-tensors"
 
     @property
@@ -129,3 +131,16 @@ class QuantizeOptions:
         per = {"gptq": 32 // self.bits, "ct": 4 if self.weight_only else 1}.get(self.layout, 1)
         if any(n % per for n in ins):
             raise ValueError(f"packing {per} values per int32 needs input sizes divisible by {per}: {ins}")
+
+
+def _alpha(value: float | str) -> float | str:
+    """--smoothquant-alpha as given: "auto", or a number in [0, 1]."""
+    if value == "auto":
+        return value
+    try:
+        alpha = float(value)
+    except ValueError:
+        raise ValueError(f"--smoothquant-alpha must be a number in [0, 1] or auto, got {value!r}") from None
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {value}")
+    return alpha

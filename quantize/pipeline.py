@@ -3,7 +3,8 @@
 The calibration samples run through the model once up to layer 0; then, for each layer, each group of linears
 that shares an input (q/k/v, o, gate/up, down) is quantized from its inputs as the layer now computes them
 (earlier groups already quantized: GPTQ's "true sequential"), and the layer's outputs are recomputed with its
-quantized weights to become the next layer's inputs. RTN and FP8 need no calibration and skip all of that.
+quantized weights to become the next layer's inputs. RTN and FP8 (without --gptq or --smoothquant-alpha) need no
+calibration and skip all of that.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from vserve.quantize.gptq import quantize_gptq, quantize_gptq_channel
 from vserve.quantize.layers import Group, decoder_layers, fold_scales, layer_groups
 from vserve.quantize.options import QuantizeOptions
 from vserve.quantize.rtn import group_index, quantize_rtn
-from vserve.quantize.smoothquant import smooth_scales
+from vserve.quantize.smoothquant import search_alpha, smooth_scales
 from vserve.quantize.w8a8 import dequantize_weight, pack_int8, quantize_weight
 
 CHUNK = 8  # calibration samples per forward: bounds the attention's memory
 AWQ_SEARCH_TOKENS = 16384  # tokens whose block output scores each AWQ scale candidate (all tokens give s_x)
+SMOOTH_SEARCH_TOKENS = 2048  # random tokens that score each SmoothQuant alpha (all tokens give max |x|)
 
 Packed = dict[str, torch.Tensor]  # one quantized linear's tensors, by suffix: qweight, qzeros, scales, ...
 
@@ -45,7 +47,8 @@ class QuantizeSummary:
     seconds: float
     bytes_before: int
     bytes_after: int
-    alphas: list[float] = field(default_factory=list)  # AWQ: the chosen alpha of each scaled group
+    alphas: list[float | None] = field(default_factory=list)  # AWQ, SmoothQuant: the alpha of each scaled group
+    # (None: SmoothQuant's search left the group unsmoothed)
 
 
 class _Stop(Exception):
@@ -164,7 +167,7 @@ def _pack_channel(q: torch.Tensor, scale: torch.Tensor, opts: QuantizeOptions) -
 
 
 def quantize_layer(layer: nn.Module, xs: list[torch.Tensor] | None, kwargs: dict, opts: QuantizeOptions,
-                   alphas: list[float]) -> dict[str, Packed]:
+                   alphas: list[float | None]) -> dict[str, Packed]:
     """Quantize every linear of one decoder layer in place (its weight becomes the dequantized weight, so the
     layer computes what the quantized model will) and return the tensors to store, by linear name."""
     out: dict[str, Packed] = {}
@@ -217,19 +220,15 @@ def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions,
 
 
 def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
-    """RTN, FP8, INT8: each weight on its own, after SmoothQuant's smoothing for INT8 W8A8; with --gptq the 8-bit
-    weights are rounded with GPTQ's error feedback on the (smoothed) inputs."""
-    if opts.method == "int8" and not opts.weight_only and group.prev is not None:
-        amax = torch.zeros(linears[0].in_features)
-
-        def track(x):
-            torch.maximum(amax, x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float(), out=amax)
-
-        capture_inputs(layer, xs, kwargs, linears[0], track)
-        s = smooth_scales(amax, [lin.weight for lin in linears], opts.smoothquant_alpha)
-        _fold(layer, group, s, out, opts)
-        for lin in linears:
-            lin.weight.data.mul_(s[None, :])
+    """RTN, FP8, INT8: each weight on its own, after SmoothQuant's smoothing for W8A8 when asked (INT8's default);
+    with --gptq the 8-bit weights are rounded with GPTQ's error feedback on the (smoothed) inputs."""
+    if opts.smoothquant_alpha is not None and group.prev is not None:
+        s, alpha = _smoothing(layer, linears, xs, kwargs, opts)
+        alphas.append(alpha)
+        if alpha is not None:
+            _fold(layer, group, s, out, opts)
+            for lin in linears:
+                lin.weight.data.mul_(s[None, :])
     H = _hessian(layer, xs, kwargs, linears[0]) if opts.gptq else None  # after the fold: smoothed inputs
     for name, lin in zip(group.linears, linears):
         if H is None:
@@ -237,6 +236,27 @@ def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions
         else:
             out[name] = _pack_channel(*quantize_gptq_channel(lin.weight.data, H, opts.method,
                                                              act_order=opts.desc_act), opts)
+
+
+def _smoothing(layer, linears, xs, kwargs, opts: QuantizeOptions) -> tuple[torch.Tensor, float | None]:
+    """(SmoothQuant's scales for the linears, the alpha): max |x| from all the captured inputs; alpha as given, or
+    "auto": searched (smoothquant.search_alpha) on SMOOTH_SEARCH_TOKENS of them drawn at random (seed --seed)."""
+    amax = torch.zeros(linears[0].in_features)
+    seen: list[torch.Tensor] = []
+
+    def track(x):
+        x = x.reshape(-1, x.shape[-1]).float()
+        torch.maximum(amax, x.abs().amax(dim=0), out=amax)
+        if opts.smoothquant_alpha == "auto":
+            seen.append(x)
+
+    capture_inputs(layer, xs, kwargs, linears[0], track)
+    weights = [lin.weight for lin in linears]
+    if opts.smoothquant_alpha != "auto":
+        return smooth_scales(amax, weights, opts.smoothquant_alpha), opts.smoothquant_alpha
+    x = torch.cat(seen)
+    pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(opts.seed))[:SMOOTH_SEARCH_TOKENS]
+    return search_alpha(x[pick], weights, opts.method, amax)
 
 
 def _fold(layer: nn.Module, group: Group, s: torch.Tensor, out: dict[str, Packed], opts: QuantizeOptions) -> None:
@@ -309,7 +329,7 @@ def _quantize_loaded(model, prefix: str, layers, folder: Path, opts: QuantizeOpt
         n_samples = samples.shape[0]
         xs, kwargs = first_layer_inputs(model, layers[0], samples)
     tensors: dict[str, torch.Tensor] = {}
-    alphas: list[float] = []
+    alphas: list[float | None] = []
     for i in progress_bar(range(len(layers)), len(layers), f"Quantizing ({opts.scheme})"):
         layer = layers[i]
         for name, packed in quantize_layer(layer, xs, kwargs, opts, alphas).items():
