@@ -242,21 +242,28 @@ def _smoothing(layer, linears, xs, kwargs, opts: QuantizeOptions) -> tuple[torch
     """(SmoothQuant's scales for the linears, the alpha): max |x| from all the captured inputs; alpha as given, or
     "auto": searched (smoothquant.search_alpha) on SMOOTH_SEARCH_TOKENS of them drawn at random (seed --seed)."""
     amax = torch.zeros(linears[0].in_features)
-    seen: list[torch.Tensor] = []
+    auto = opts.smoothquant_alpha == "auto"
+    if auto:  # which tokens score the candidates, chosen before the capture so only those are kept
+        n = sum(x.shape[:-1].numel() for x in xs)
+        pick = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed))[:SMOOTH_SEARCH_TOKENS]
+        picked = torch.empty(len(pick), linears[0].in_features)
+    seen = 0  # tokens captured so far
 
     def track(x):
+        nonlocal seen
         x = x.reshape(-1, x.shape[-1]).float()
         torch.maximum(amax, x.abs().amax(dim=0), out=amax)
-        if opts.smoothquant_alpha == "auto":
-            seen.append(x)
+        if auto:
+            rows = ((pick >= seen) & (pick < seen + x.shape[0])).nonzero().squeeze(1)
+            picked[rows] = x[pick[rows] - seen]
+        seen += x.shape[0]
 
     capture_inputs(layer, xs, kwargs, linears[0], track)
     weights = [lin.weight for lin in linears]
-    if opts.smoothquant_alpha != "auto":
+    if not auto:
         return smooth_scales(amax, weights, opts.smoothquant_alpha), opts.smoothquant_alpha
-    x = torch.cat(seen)
-    pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(opts.seed))[:SMOOTH_SEARCH_TOKENS]
-    return search_alpha(x[pick], weights, opts.method, amax)
+    assert seen == n, (seen, n)
+    return search_alpha(picked, weights, opts.method, amax)
 
 
 def _fold(layer: nn.Module, group: Group, s: torch.Tensor, out: dict[str, Packed], opts: QuantizeOptions) -> None:
