@@ -174,3 +174,18 @@ def test_periodic_log_line_reports_throughput_and_cache(tiny_model):
         assert part in line
     hit = float(line.rsplit("Prefix cache hit rate: ", 1)[1].rstrip("%"))
     assert hit > 0  # the second prompt reuses the first one's two full blocks
+
+
+def test_disable_uvicorn_access_log_drops_the_line_per_request(server_factory, tiny_model, tmp_path):
+    base = [str(tiny_model("llama")), "--max-model-len", "256", "--no-engine-process"]
+    logs = {}
+    for name, extra in (("default", []), ("disabled", ["--disable-uvicorn-access-log"])):
+        s = server_factory(base + extra, tmp_path / f"{name}.log")
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        s.stop()
+        logs[name] = s.output()
+    line = '"POST /v1/completions HTTP/1.1" 200'
+    assert line in logs["default"]
+    assert line not in logs["disabled"]
+    assert "vserve serving on" in logs["disabled"]  # the rest of the log is still there

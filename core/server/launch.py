@@ -25,6 +25,7 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     log_interval_s: float = 10.0
     engine_process: bool = True  # the step loop in its own process; False: on a thread of the server's
+    access_log: bool = True  # uvicorn's line per request (vLLM's --disable-uvicorn-access-log turns it off)
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -129,7 +130,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     sys.setswitchinterval(0.0005)
     if engine is not None:
         engine.start()
-    uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="info",
+    uv_config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="info", access_log=opts.access_log,
                                timeout_graceful_shutdown=int(opts.drain_timeout_s))
     server = _DrainingServer(uv_config)
     failed = False
