@@ -32,7 +32,13 @@ def summarize(events: list[dict], recvs: list[dict]) -> dict | None:
     t_start, t_end = steps[0]["t0"], steps[-1]["t1"]
     t_prev = all_runs[i - 1][-1]["t1"] if i else float("-inf")
     adds = [e["t"] for e in events if e["k"] == "add" and t_prev < e["t"] <= t_end]
-    emits = [e for e in events if e["k"] == "emit" and t_start <= e["t0"] <= t_end + 1]
+    # Each emitted message is read once, in order: pair them over the whole trace, then keep this run's pairs.
+    # (emit_to_apply runs from the engine's send() returning, so the reader may already have started: a small
+    # negative mean is possible on a busy machine.)
+    all_emits = [e for e in events if e["k"] == "emit"]
+    pairs = [(e, r) for e, r in zip(all_emits, sorted(recvs, key=lambda r: r["t0"]))
+             if t_start <= e["t0"] <= t_end + 1] if len(all_emits) == len(recvs) else []
+    emits = [e for e in all_emits if t_start <= e["t0"] <= t_end + 1]
     recv = [e for e in recvs if t_start <= e["t0"] <= t_end + 1]
     peak = max(s["running"] for s in steps)
     decode = [s for s in steps if s["tokens"] == s["running"] and s["running"] >= 0.9 * peak]
@@ -58,8 +64,7 @@ def summarize(events: list[dict], recvs: list[dict]) -> dict | None:
         "gap_between_steps_ms": mean(gaps),
         "emit_ms": mean([e["t1"] - e["t0"] for e in emits]),
         "server_apply_ms": mean([e["t1"] - e["t0"] for e in recv]),
-        "emit_to_apply_ms": mean([r["t0"] - e["t1"] for e, r in zip(emits, recv)]) if len(emits) == len(recv)
-        else None,
+        "emit_to_apply_ms": mean([r["t0"] - e["t1"] for e, r in pairs]),
         "busy_fraction": sum(s["t1"] - s["t0"] for s in steps) / (t_end - t_start),
     }
 

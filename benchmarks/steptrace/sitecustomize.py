@@ -40,27 +40,33 @@ def _install() -> None:
 
     atexit.register(flush)
 
-    def patch_sampler(mod) -> None:
-        orig = mod.SampledTokens.resolve
+    def add_time(cls, name: str, key: str) -> None:
+        """cls.name's seconds added up into state[key] (reset by each step)."""
+        orig = getattr(cls, name)
 
-        def resolve(self):
-            t0 = time.perf_counter()
-            try:
-                return orig(self)
-            finally:
-                state["wait"] += time.perf_counter() - t0
-        mod.SampledTokens.resolve = resolve
-
-    def patch_runner(mod) -> None:
-        orig = mod.ModelRunner.launch
-
-        def launch(self, *a, **k):
+        def timed(self, *a, **k):
             t0 = time.perf_counter()
             try:
                 return orig(self, *a, **k)
             finally:
-                state["launch"] += time.perf_counter() - t0
-        mod.ModelRunner.launch = launch
+                state[key] += time.perf_counter() - t0
+        setattr(cls, name, timed)
+
+    def record_call(cls, name: str, kind: str) -> None:
+        """One `kind` line per call of cls.name(self, items, ...): its start, end and len(items)."""
+        orig = getattr(cls, name)
+
+        def timed(self, items, *a):
+            t0 = time.perf_counter()
+            orig(self, items, *a)
+            record(k=kind, t0=t0, t1=time.perf_counter(), n=len(items))
+        setattr(cls, name, timed)
+
+    def patch_sampler(mod) -> None:
+        add_time(mod.SampledTokens, "resolve", "wait")
+
+    def patch_runner(mod) -> None:
+        add_time(mod.ModelRunner, "launch", "launch")
 
     def patch_engine(mod) -> None:
         orig = mod.LLMEngine.step
@@ -79,20 +85,8 @@ def _install() -> None:
         mod.LLMEngine.step = step
 
     def patch_core(mod) -> None:
-        orig_emit = mod.EngineCore._emit
-
-        def _emit(self, outputs, seconds):
-            t0 = time.perf_counter()
-            orig_emit(self, outputs, seconds)
-            record(k="emit", t0=t0, t1=time.perf_counter(), n=len(outputs))
-        mod.EngineCore._emit = _emit
-        orig_on_step = mod.EngineCoreClient._on_step
-
-        def _on_step(self, deltas, stats):
-            t0 = time.perf_counter()
-            orig_on_step(self, deltas, stats)
-            record(k="recv", t0=t0, t1=time.perf_counter(), n=len(deltas))
-        mod.EngineCoreClient._on_step = _on_step
+        record_call(mod.EngineCore, "_emit", "emit")
+        record_call(mod.EngineCoreClient, "_on_step", "recv")
 
     def patch_loop(mod) -> None:
         orig_add = mod.StepLoop.add
