@@ -288,6 +288,206 @@ def section_smoke_e2e(res: dict) -> None:
         llm.llm_engine.shutdown()
 
 
+GEMV_COLD_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (512, 1024, 2048) for bk in (4, 8)
+                  for w in (4, 8) for sk in (8, 16, 32, 64) if bn * bk <= 8192]
+GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (512, 1024, 2048) for bk in (4, 8, 16)
+             for w in (2, 4, 8) for sk in (2, 4, 8, 16, 32)]
+
+
+def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False, cold_bytes: int = 256 << 20) -> None:
+    """The AWQ batch-1 GEMV (_awq_gemv_kernel): against its reference in bf16 and fp16 (default launch, with and
+    without the in-kernel split fixup), then timed beside bf16 F.linear over a launch grid; best per shape. cold:
+    each timed call runs over enough weight copies that none is still in L2 (as in a decode step)."""
+    from vserve.kernels import triton_w4a16, w4a16_ref
+    from vserve.kernels.gpu_check import time_ms
+
+    checks, rows = [], []
+    for K, N in shapes:
+        qw, s, z, _, _, gs = w4_weight("awq", K, N, dev)
+        w32 = w4a16_ref.dequantize_weight(qw, s, z, None, "awq", 4, gs)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(1, K, device=dev).to(dtype)
+            ref = w4a16_ref.w4a16_gemm_ref(x, qw, s, z, None, "awq", 4, gs)
+            torch_rel = _rel(torch.nn.functional.linear(x, w32.to(dtype)), ref)
+            for fixup in (True, False):
+                got = triton_w4a16.w4a16_gemm(x, qw, s, z, None, "awq", 4, gs, fixup=fixup)
+                again = triton_w4a16.w4a16_gemm(x, qw, s, z, None, "awq", 4, gs, fixup=fixup)
+                rel = _rel(got, ref)
+                checks.append(dict(K=K, N=N, dtype=str(dtype).split(".")[-1], fixup=fixup, rel_err=rel,
+                                   torch_rel_err=torch_rel, deterministic=bool(torch.equal(got, again)),
+                                   ok=bool(rel <= max(2e-3 if dtype == torch.float16 else 1.6e-2, 2 * torch_rel))))
+        del w32
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        if cold:  # as in a decode step, each call's weights are not in L2: cycle through copies > 4x L2
+            reps = max(1, -(-cold_bytes // (K * N // 2)))
+            copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(reps)]
+            wreps = max(1, -(-cold_bytes // (K * N * 2)))
+            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(wreps)]
+
+            def fn(_c=copies, _x=x, _gs=gs, **kw):
+                for c in _c:
+                    triton_w4a16.w4a16_gemm(_x, *c, None, "awq", 4, _gs, **kw)
+
+            def bf16(_ws=ws, _x=x):
+                for w in _ws:
+                    torch.nn.functional.linear(_x, w)
+
+            def per(t, n):
+                return t / n
+        else:
+            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+            fn = partial(triton_w4a16.w4a16_gemm, x, qw, s, z, None, "awq", 4, gs)
+            bf16 = partial(torch.nn.functional.linear, x, w)
+            reps = wreps = 1
+
+            def per(t, n):
+                return t
+        row = dict(K=K, N=N, cold=cold, bf16_ms=per(time_ms(bf16, dev, iters=4 if cold else 20)[0], wreps),
+                   default_ms=per(time_ms(fn, dev, iters=4 if cold else 20)[0], reps),
+                   default_nofixup_ms=per(time_ms(partial(fn, fixup=False), dev, iters=4 if cold else 20)[0], reps))
+        timed = []
+        for cfg in grid:
+            try:
+                timed.append((per(time_ms(partial(fn, **cfg), dev, iters=4 if cold else 20)[0], reps), cfg))
+            except Exception:  # out of registers etc.
+                continue
+        timed.sort(key=lambda t: t[0])
+        row["best"] = [dict(ms=t, **c) for t, c in timed[:6]]
+        if timed:
+            row["best_nofixup_ms"] = per(time_ms(partial(fn, fixup=False, **timed[0][1]), dev,
+                                                 iters=4 if cold else 20)[0], reps)
+        nbytes = K * N / 2 + K // gs * N * 2.5  # codes + fp16 scales + packed zeros
+        row["default_TBps"] = nbytes / (row["default_ms"] * 1e-3) / 1e12
+        row["best_TBps"] = nbytes / (timed[0][0] * 1e-3) / 1e12 if timed else None
+        row["bf16_TBps"] = K * N * 2 / (row["bf16_ms"] * 1e-3) / 1e12
+        rows.append(row)
+        print(f"gemv {K}x{N}: bf16 {row['bf16_ms']:.4f} ms, awq default {row['default_ms']:.4f}, best "
+              f"{row['best'][0] if row['best'] else None}", flush=True)
+    res["gemv_correct"] = checks
+    res["gemv_cold" if cold else "gemv"] = rows
+
+
+def section_bs1_awq(res: dict, base: dict) -> None:
+    """Batch-1 decode, bf16 against AWQ with the default GEMV launch and with the gemv section's best launch per
+    shape (when that section ran first in this process)."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import triton_w4a16
+
+    p, _ = workload(1, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
+    runs = [("bf16", None), ("awq", None)]
+    best = {(r["K"], r["N"]): r["best"][0] for r in res.get("gemv_cold", res.get("gemv", [])) if r.get("best")}
+    if best:
+        runs.append(("awq", best))
+    orig = triton_w4a16._config
+    for q, table in runs:
+        if table:
+            def tuned(M, N, K, device, layout="", _t=table):
+                c = _t.get((K, N))
+                if M == 1 and layout == "awq" and c is not None:
+                    return dict(block_m=1, num_stages=1, **{k: c[k] for k in ("block_n", "block_k", "num_warps",
+                                                                               "split_k")})
+                return orig(M, N, K, device, layout)
+            triton_w4a16._config = tuned
+        try:
+            key = f"bs1_in128_out512_{q}" + ("_gemv_best" if table else "")
+            res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, [512], max_num_seqs=8, enforce_eager=False))
+        finally:
+            triton_w4a16._config = orig
+
+
+def section_fp8mm(res: dict, dev: str, shapes, ms=(256, 2048)) -> None:
+    """FP8 W8A8 linear: the per-token quantizer alone, torch._scaled_mm with and without use_fast_accum, and the
+    whole fp8_linear both ways, beside bf16 F.linear; the error of each against fp8_linear_ref."""
+    from vserve.kernels import scaled_mm, triton_ops
+    from vserve.kernels.gpu_check import time_ms
+
+    rows, default = [], scaled_mm.FAST_ACCUM
+    for K, N in shapes:
+        wq, ws = w8_weight("fp8", K, N, dev)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            xq, xs = triton_ops.per_token_quant(x, torch.float8_e4m3fn)
+            ref = scaled_mm.fp8_linear_ref(x, wq, ws)
+            row = dict(K=K, N=N, M=M, bf16_ms=time_ms(partial(torch.nn.functional.linear, x, w), dev)[0],
+                       quant_ms=time_ms(partial(triton_ops.per_token_quant, x, torch.float8_e4m3fn), dev)[0])
+            for fast in (False, True):
+                tag = "fast" if fast else "exact"
+                mm = partial(torch._scaled_mm, xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1),
+                             out_dtype=torch.bfloat16, use_fast_accum=fast)
+                row[f"scaled_mm_{tag}_ms"] = time_ms(mm, dev)[0]
+                scaled_mm.FAST_ACCUM = fast
+                try:
+                    row[f"fp8_linear_{tag}_ms"] = time_ms(partial(scaled_mm.fp8_linear, x, wq, ws), dev)[0]
+                    row[f"fp8_linear_{tag}_rel_err"] = _rel(scaled_mm.fp8_linear(x, wq, ws), ref)
+                finally:
+                    scaled_mm.FAST_ACCUM = default
+            row["tflops_fast"] = 2 * M * K * N / (row["scaled_mm_fast_ms"] * 1e-3) / 1e12
+            rows.append(row)
+            print(f"fp8mm {K}x{N} M={M}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                                        if k not in ("K", "N", "M")), flush=True)
+    res["fp8mm"] = rows
+
+
+def section_throughput_fast(res: dict, base: dict) -> None:
+    """256 requests: FP8 W8A8 + fp8 KV with use_fast_accum and without it, beside bf16 (this process)."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import scaled_mm
+
+    section_throughput(res, base, (("bf16", "auto"),))
+    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    default = scaled_mm.FAST_ACCUM
+    for fast in (False, True):
+        scaled_mm.FAST_ACCUM = fast
+        try:
+            res["throughput_256_u100_1024_fp8_kv_fp8" + ("_fast_accum" if fast else "_exact_accum")] = _drop_plan(
+                run_vserve(_model_cfg(base, "fp8"), p, o, max_num_seqs=256, enforce_eager=False, kv_cache_dtype="fp8"))
+        finally:
+            scaled_mm.FAST_ACCUM = default
+
+
+def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv: str, n: int, in_len, out_len,
+                    first: int, steps: int = 10) -> None:
+    """Kernel time by name over `steps` engine steps from step `first` (CUDA activity only, CUDA graphs replay as
+    in a run), beside the steps' wall time; the table goes to OUT/profile_LABEL.txt."""
+    from h200_engine import free_gpu, model_dir, workload
+    from torch.profiler import ProfilerActivity, profile
+
+    from vserve import LLM, SamplingParams
+
+    p, o = workload(n, 0, base["vocab_size"], out_len, in_len=in_len)
+    llm = LLM(model_dir(_model_cfg(base, quant)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_num_seqs=max(8, n), enforce_eager=False, kv_cache_dtype=kv)
+    llm.generate(p[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng = llm.llm_engine
+    for i, (pr, m) in enumerate(zip(p, o)):
+        eng.add_request(str(i), pr, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True))
+    for _ in range(first):
+        eng.step(finished_only=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step(finished_only=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in ka) / 1e3  # ms
+    try:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    except Exception:  # an older torch's key
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+    (out / f"profile_{label}.txt").write_text(table)
+    res[f"profile_{label}"] = dict(
+        steps=steps, batch=len(eng.scheduler.running), wall_ms_per_step=1e3 * wall / steps,
+        kernel_ms_per_step=busy / steps, top=[(e.key[:90], round(e.self_device_time_total / 1e3 / steps, 4),
+                                               e.count // steps) for e in ka[:25]])
+    del llm, eng, prof
+    free_gpu()
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 
@@ -326,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
-                    help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv")
+                    help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
+                         "bs1_awq, fp8mm, throughput_fast")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -339,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         sections = {"correct": lambda r: section_correct(r, "cpu", TINY_SHAPES, TINY_MS, [torch.float16]),
                     "speed": lambda r: section_speed(r, "cpu", TINY_SHAPES[:1], [1], sweep_ms=()),
+                    "gemv": lambda r: section_gemv(r, "cpu", TINY_SHAPES[:1], GEMV_GRID[:2]),
                     "e2e": section_smoke_e2e}
         res: dict = {"torch": torch.__version__, "device": "cpu (smoke)"}
     else:
@@ -355,7 +557,20 @@ def main(argv: list[str] | None = None) -> int:
                     "bs1": lambda r: section_bs1(r, LLAMA3_8B),
                     "throughput": lambda r: section_throughput(r, LLAMA3_8B),
                     "throughput_kv": lambda r: section_throughput(r, LLAMA3_8B, (("bf16", "auto"), ("bf16", "fp8"),
-                                                                                 ("fp8", "fp8")))}
+                                                                                 ("fp8", "fp8"))),
+                    "gemv": lambda r: section_gemv(r, "cuda", SHAPES),
+                    "gemv_cold": lambda r: section_gemv(r, "cuda", SHAPES, GEMV_COLD_GRID, cold=True),
+                    "profile_awq_bs1": lambda r: section_profile(r, out, LLAMA3_8B, "awq_bs1", "awq", "auto", 1,
+                                                                 (128, 128), (512, 512), 50),
+                    "profile_bf16_bs1": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_bs1", "bf16", "auto", 1,
+                                                                  (128, 128), (512, 512), 50),
+                    "profile_fp8_256": lambda r: section_profile(r, out, LLAMA3_8B, "fp8_256", "fp8", "fp8", 256,
+                                                                 (100, 1024), (100, 1024), 150),
+                    "profile_bf16_256": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_256", "bf16", "auto", 256,
+                                                                  (100, 1024), (100, 1024), 150),
+                    "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
+                    "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES),
+                    "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B)}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "capability": torch.cuda.get_device_capability()}

@@ -7,6 +7,8 @@ Launch parameters are chosen by size and can be overridden by keyword for benchm
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -172,30 +174,60 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, IS_FP8: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):  # pass 1: max |x| of the row
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), qmax), min_scale)  # IEEE division, as torch's
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):  # pass 2: quantize (the row is in L2 by now)
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale)
-        if IS_FP8:
+def _quant_values(x, scale, IS_FP8: tl.constexpr, HW_FP8: tl.constexpr):
+    v = tl.math.div_rn(x, scale)  # IEEE division, as torch's
+    if IS_FP8:
+        if not HW_FP8:
             v = round_to_e4m3(v)
-        else:
-            v = tl.minimum(tl.maximum(_round_half_even(v), -128.0), 127.0)
-        tl.store(q_ptr + row * stride_q + k, v.to(q_ptr.dtype.element_ty), mask=k < K)
+        # else the conversion itself rounds to nearest even and saturates at +-448 (cvt.rn.satfinite on sm89+)
+    else:
+        v = tl.minimum(tl.maximum(_round_half_even(v), -128.0), 127.0)
+    return v
 
 
-def per_token_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 2048,
-                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """As per_token_quant_ref: x [M, K] -> (xq [M, K] fp8/int8, scale [M, 1] float32), new tensors."""
+@triton.jit
+def _store_quant(ptr, v, mask, IS_FP8: tl.constexpr):
+    if IS_FP8:
+        tl.store(ptr, v.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, IS_FP8: tl.constexpr,
+                            HW_FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program. A row that fits in one BLOCK is read once and kept in registers; a longer one is
+    read twice (the max, then the values; the second read hits L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    if BLOCK >= K:
+        k = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), qmax), min_scale)
+        tl.store(s_ptr + row, scale)
+        _store_quant(q_ptr + row * stride_q + k, _quant_values(x, scale, IS_FP8, HW_FP8), k < K, IS_FP8)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):  # pass 1: max |x| of the row
+            k = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), qmax), min_scale)  # IEEE division, as torch's
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):  # pass 2: quantize (the row is in L2 by now)
+            k = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+            _store_quant(q_ptr + row * stride_q + k, _quant_values(x, scale, IS_FP8, HW_FP8), k < K, IS_FP8)
+
+
+def _interpreted() -> bool:
+    """Under TRITON_INTERPRET=1 (CI's CPU path), whose fp8 conversion rounds some values wrongly."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def per_token_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 16384,
+                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As per_token_quant_ref: x [M, K] -> (xq [M, K] fp8/int8, scale [M, 1] float32), new tensors. Rows up to
+    `block` long are read once; num_warps defaults to one per 512 values of the row (4 to 16)."""
     from vserve.kernels.ops_ref import FP8_MAX, INT8_MAX, MIN_SCALE
 
     x2 = _rows(x)
@@ -205,6 +237,9 @@ def per_token_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 2048,
     if M == 0:
         return q, s
     fp8 = dtype == torch.float8_e4m3fn
+    blk = min(block, triton.next_power_of_2(K))
+    if num_warps is None:
+        num_warps = max(4, min(16, blk // 512))
     _per_token_quant_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), FP8_MAX if fp8 else INT8_MAX, MIN_SCALE,
-                                  IS_FP8=fp8, BLOCK=min(block, triton.next_power_of_2(K)), num_warps=num_warps)
+                                  IS_FP8=fp8, HW_FP8=fp8 and not _interpreted(), BLOCK=blk, num_warps=num_warps)
     return q, s

@@ -194,6 +194,112 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_s
 
 
 @triton.jit
+def _awq_field_sum(word, zword, x, magic, PP: tl.constexpr):
+    """sum over axis 1 of x (q - z) 2^(4 PP) for the 4-bit field at bits 4PP..4PP+3 (PP <= 4) of each word
+    [WK, BLOCK_K, W] (x [WK, BLOCK_K], zword [W]): the field is OR-ed into the mantissa of 2^23 (float
+    2^23 + q 2^(4PP), exact: no int-to-float conversion) and 2^23 + z 2^(4PP) is subtracted (exact): one
+    AND-OR, one add and one FMA per code. magic is 2^23's bits, passed at run time so that the compiler fuses
+    the AND and the OR into one LOP3."""
+    f = ((word & (15 << (4 * PP))) | magic).to(tl.float32, bitcast=True)
+    c = ((zword >> (4 * PP)) & 15).to(tl.float32) * float(1 << (4 * PP)) + 8388608.0
+    return tl.sum(x[:, :, None] * (f - c[None, None, :]), axis=1)
+
+
+@triton.jit
+def _awq_tile(x_ptr, qw_ptr, k, nw, w_mask, k_end, stride_qk, EVEN: tl.constexpr):
+    """Words [WK, BLOCK_K, BLOCK_W] of rows k [WK, BLOCK_K] and x at those rows (fp32)."""
+    ptr = qw_ptr + k[:, :, None] * stride_qk + nw[None, None, :]
+    if EVEN:
+        return tl.load(ptr), tl.load(x_ptr + k).to(tl.float32)
+    k_mask = k < k_end
+    word = tl.load(ptr, mask=k_mask[:, :, None] & w_mask[None, None, :], other=0)
+    return word, tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N, K, group_size, k_per_split,
+                     n_split, stride_qk, stride_sg, stride_zg, stride_psplit, magic, DIRECT: tl.constexpr,
+                     FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                     WK: tl.constexpr):
+    """One row of x (batch-1 decode) times the AutoAWQ 4-bit layout (qweight [K, N/8], value j of a word in field
+    (0, 4, 1, 5, 2, 6, 3, 7)[j]). A program holds BLOCK_W words of columns (8 BLOCK_W outputs) for one K-split;
+    each K-tile is [WK, BLOCK_K, BLOCK_W] words, the WK slices (one per warp) summed apart until the end, so the
+    loop reduces only inside threads. Per group it sums x (q - z) per column and field position and applies the
+    group's scale once (splits start on group boundaries and hold whole tiles). Split partials go to part_ptr
+    [n_split, N] fp32; with FIXUP the last program of each column block to finish (an atomic count in lock_ptr,
+    reset to 0 after) sums them in split order into out_ptr, so the call is one deterministic kernel. DIRECT: a
+    single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole tiles: no masks on the main
+    loads (16-byte vector loads)."""
+    pid_w, pid_k = tl.program_id(0), tl.program_id(1)
+    nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_mask = nw < N // 8
+    rows = tl.arange(0, WK)[:, None] + tl.arange(0, BLOCK_K)[None, :] * WK  # [WK, BLOCK_K]: slice w takes rows w mod WK
+    TILE: tl.constexpr = BLOCK_K * WK
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    a0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    word, x = _awq_tile(x_ptr, qw_ptr, k_start + rows, nw, w_mask, k_end, stride_qk, EVEN)
+    for g0 in range(k_start, k_end, group_size):  # one group: its scales and zeros are loaded once
+        g = g0 // group_size
+        zw = tl.load(z_ptr + g * stride_zg + nw, mask=w_mask, other=0)
+        zhi = zw >> 12
+        t0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
+        t1, t2, t3, t4, t5, t6, t7 = t0, t0, t0, t0, t0, t0, t0
+        for k0 in range(g0, tl.minimum(g0 + group_size, k_end), TILE):
+            # the next tile's loads are issued before this tile's arithmetic (EVEN: the last re-reads in-range rows)
+            kn = k0 + TILE + rows
+            if EVEN:
+                kn = tl.minimum(kn, k_end - 1)
+            word_n, x_n = _awq_tile(x_ptr, qw_ptr, kn, nw, w_mask, k_end, stride_qk, EVEN)
+            hi = word >> 12  # fields 5, 6, 7 move to positions 2, 3, 4 (higher garbage bits are masked off)
+            t0 += _awq_field_sum(word, zw, x, magic, 0)
+            t1 += _awq_field_sum(word, zw, x, magic, 1)
+            t2 += _awq_field_sum(word, zw, x, magic, 2)
+            t3 += _awq_field_sum(word, zw, x, magic, 3)
+            t4 += _awq_field_sum(word, zw, x, magic, 4)
+            t5 += _awq_field_sum(hi, zhi, x, magic, 2)
+            t6 += _awq_field_sum(hi, zhi, x, magic, 3)
+            t7 += _awq_field_sum(hi, zhi, x, magic, 4)
+            word, x = word_n, x_n
+        # field position p holds column (0, 2, 4, 6, 1, 3, 5, 7)[p] of its word; the scale undoes 2^(4 PP)
+        srow = s_ptr + g * stride_sg + nw * 8
+        a0 += (tl.load(srow + 0, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t0
+        a1 += (tl.load(srow + 2, mask=w_mask, other=0.0).to(tl.float32) * (1 / 16))[None, :] * t1
+        a2 += (tl.load(srow + 4, mask=w_mask, other=0.0).to(tl.float32) * (1 / 256))[None, :] * t2
+        a3 += (tl.load(srow + 6, mask=w_mask, other=0.0).to(tl.float32) * (1 / 4096))[None, :] * t3
+        a4 += (tl.load(srow + 1, mask=w_mask, other=0.0).to(tl.float32) * (1 / 65536))[None, :] * t4
+        a5 += (tl.load(srow + 3, mask=w_mask, other=0.0).to(tl.float32) * (1 / 256))[None, :] * t5
+        a6 += (tl.load(srow + 5, mask=w_mask, other=0.0).to(tl.float32) * (1 / 4096))[None, :] * t6
+        a7 += (tl.load(srow + 7, mask=w_mask, other=0.0).to(tl.float32) * (1 / 65536))[None, :] * t7
+    n = nw * 8
+    if DIRECT:  # one split: straight into the output
+        dst = out_ptr + n
+    else:
+        dst = part_ptr + pid_k.to(tl.int64) * stride_psplit + n
+    ty = dst.dtype.element_ty
+    tl.store(dst + 0, tl.sum(a0, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 2, tl.sum(a1, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 4, tl.sum(a2, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 6, tl.sum(a3, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 1, tl.sum(a4, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 3, tl.sum(a5, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 5, tl.sum(a6, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 7, tl.sum(a7, axis=0).to(ty), mask=w_mask)
+    if FIXUP and not DIRECT:
+        tl.debug_barrier()  # every thread's partial is stored before the count
+        done = tl.atomic_add(lock_ptr + pid_w, 1, sem="acq_rel", scope="gpu")
+        if done == n_split - 1:  # the last program of this column block: sum the partials in split order
+            c = nw[:, None] * 8 + tl.arange(0, 8)[None, :]
+            c_mask = w_mask[:, None]
+            tot = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+            for i in range(0, n_split):
+                tot += tl.load(part_ptr + i * stride_psplit + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + c, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
+            tl.atomic_xchg(lock_ptr + pid_w, 0)  # ready for the next call (CUDA-graph replays included)
+
+
+@triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qk, stride_qn, stride_sg,
                     stride_sn, stride_zg, stride_on, LAYOUT: tl.constexpr, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -247,9 +353,12 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
             block_k)
 
 
-def _config(M: int, N: int, K: int, device: torch.device) -> dict:
+def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
+    if M == 1 and layout == "awq":  # _awq_gemv_kernel (benchmarks/h200_quant.py --sections gemv)
+        split = 8 if N >= 16384 else 64 if K >= 8192 else 16 if N > 4096 else 32  # the H200's best, cold L2
+        return dict(block_m=1, block_n=1024, block_k=8, split_k=split, num_warps=4, num_stages=1)
     if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
@@ -272,6 +381,46 @@ def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     return dict(block_m=bm, block_n=128, block_k=64, split_k=1, num_warps=8 if bm == 128 else 4, num_stages=3)
 
 
+@cache
+def _locks(device: torch.device) -> torch.Tensor:
+    """Per-column-block arrival counts of _awq_gemv_kernel's fixup; each call leaves them at 0."""
+    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
+
+
+def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
+    """Launch _awq_gemv_kernel: block_n columns (8 per word) per program, block_k rows per warp slice, num_warps
+    slices; K split into whole groups, or into whole tiles inside a group."""
+    bw, wk = max(1, cfg["block_n"] // 8), cfg["num_warps"]
+    bk = cfg["block_k"]
+    while group_size % (bk * wk) and bk > 1:
+        bk //= 2
+    while group_size % (bk * wk):
+        wk //= 2
+    tile = bk * wk
+    split = max(1, min(cfg["split_k"], K // tile))
+    kps = triton.cdiv(K, split)
+    if kps >= group_size:  # whole groups
+        kps = triton.cdiv(kps, group_size) * group_size
+    else:  # a divisor of the group that is whole tiles
+        kps = max(tile, kps // tile * tile)
+        while group_size % kps:
+            kps -= tile
+    split = triton.cdiv(K, kps)
+    dev = x.device
+    direct = split == 1
+    use_fixup = fixup and not direct and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                                              and _locks.cache_info().currsize == 0)
+    part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(N // 8, bw), split)
+    _awq_gemv_kernel[grid](x, qw, s, z, part, out, _locks(dev) if use_fixup else part, N, K, group_size, kps,
+                           split, qw.stride(0), s.stride(0), z.stride(0), part.stride(0) if not direct else 0,
+                           0x4B000000, DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
+                           BLOCK_W=bw, BLOCK_K=bk, WK=wk, num_warps=wk, num_stages=cfg["num_stages"])
+    if not direct and not use_fixup:
+        torch.sum(part, 0, out=out.view(N))
+    return out
+
+
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                      g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, dtype: torch.dtype, *,
                      block_n: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
@@ -291,9 +440,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, *, block_m: int | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, dequant_m: int = DEQUANT_M,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, fixup: bool = True) -> torch.Tensor:
     """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters; out: a
-    contiguous [..., N] buffer to write into."""
+    contiguous [..., N] buffer to write into; fixup=False: the AWQ GEMV sums its K-split partials in a second
+    kernel instead of in its last program per column block."""
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
     x2 = x.reshape(-1, K)
@@ -308,17 +458,19 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if M >= dequant_m:
         w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype)
         return torch.matmul(x2, w.t(), out=out.view(M, N)).view(out.shape)
-    cfg = _config(M, N, K, x.device)
+    cfg = _config(M, N, K, x.device, layout)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
     qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
                                                                 group_size, K, cfg["block_k"])
+    gemv = cfg["block_m"] == 1 and M == 1 and layout != "channel" and not has_g
+    if gemv and layout == "awq" and bits == 4:
+        return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)
     dst = out.view(M, N) if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    gemv = cfg["block_m"] == 1 and M == 1 and layout != "channel" and not has_g
     if gemv:
         grid = (triton.cdiv(N, cfg["block_n"]), split)
         _gemv_kernel[grid](x2, qw, s, z, dst, N, K, gs, k_per_split, sqk, sqn, ssg, ssn, szg,
