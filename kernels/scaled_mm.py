@@ -2,9 +2,10 @@
 
 On CUDA `fp8_linear` runs torch._scaled_mm and `int8_linear` torch._int_mm (cuBLASLt), after the Triton
 per-token quantization; bf16 FP8 GEMMs use cuBLASLt's fast accumulation (FAST_ACCUM), so they match the
-reference to within bf16 rounding rather than to the fp32 sum. The `_ref` versions (same signatures) emulate those numerics on any device: the CPU
-path and the oracle. FP8 products are exact in fp32 and summed in fp32; INT8 products are summed exactly (as
-the int32 accumulator does) in float64. Both then scale by x_scale * w_scale in fp32 and round to x's dtype.
+reference to within bf16 rounding rather than to the fp32 sum. The `_ref` versions (same signatures) emulate
+those numerics on any device: the CPU path and the oracle. FP8 products are exact in fp32 and summed in fp32;
+INT8 products are summed exactly (as the int32 accumulator does) in float64. Both then scale by
+x_scale * w_scale in fp32 and round to x's dtype.
 """
 
 from __future__ import annotations
