@@ -112,6 +112,28 @@ def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k)
     assert torch.equal(w, w4a16_ref.dequantize_weight(qweight, scales, qzeros, None, "awq", 4, 32))
 
 
+
+@pytest.mark.parametrize("N,K,group,launch", [
+    (192, 256, 64, dict(split_k=1)),  # one split: written straight to the output
+    (192, 256, 64, dict(split_k=2)),  # whole groups per split, summed by the last program
+    (200, 384, 32, dict(split_k=3, block_n=64, num_warps=2)),  # N/8 = 25 words: masked column tail
+    (128, 256, 128, dict(split_k=8, block_k=4, num_warps=2)),  # splits inside a group (32 rows each)
+])
+def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
+    """The AWQ batch-1 GEMV (_awq_gemv_kernel): each launch shape matches the reference, with the K-split partials
+    summed in the kernel's last program (in split order: the same bits on every call, every arrival count back
+    at 0) and by a second kernel."""
+    qweight, scales, qzeros, _, _, gs = map(_on_device, quantized_weight("awq", N, K, group))
+    x = torch.randn(1, K, device=DEVICE, dtype=torch.float16)
+    ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, None, "awq", 4, gs)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, **launch)
+    _close(got, ref, torch.float16, seed)
+    two_kernels = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, fixup=False, **launch)
+    _close(two_kernels, ref, torch.float16, seed)
+    assert int(triton_w4a16._locks(x.device).abs().sum()) == 0
+    again = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, **launch)
+    assert torch.equal(got, again)
+
 def test_groups_smaller_than_a_tile_are_gathered_per_row(seed):
     """group 8 < the smallest K-tile (16): the wrapper falls back to a per-row group index."""
     qweight, scales, qzeros, _, bits, gs = map(_on_device, quantized_weight("gptq4", 32, 64, 8))
@@ -133,15 +155,17 @@ def test_per_token_int8_quant_matches_reference_exactly(seed):
     assert q.dtype == torch.int8 and s.shape == (9, 1) and int(q.abs().max()) == 127
 
 
-def test_per_token_fp8_quant_matches_reference_exactly(seed):
-    """The kernel rounds to the e4m3 grid itself (round_to_e4m3), so even the interpreter's fp8 conversion is
-    exact: ties to even, carries into the exponent (1.9375 -> 2.0), subnormals and saturation at 448."""
+@pytest.mark.parametrize("block", [16384, 128])  # the row read once, and in three chunks (two passes)
+def test_per_token_fp8_quant_matches_reference_exactly(seed, block):
+    """Under the interpreter the kernel rounds to the e4m3 grid itself (round_to_e4m3), on a GPU the hardware
+    conversion does; either way exact: ties to even, carries into the exponent (1.9375 -> 2.0), subnormals and
+    saturation at 448."""
     x = torch.randn(9, 300, device=DEVICE, dtype=torch.bfloat16)
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every value 0 .. 448
     ties = (grid[:-1] + grid[1:]) / 2  # exactly between two neighbours (bf16 holds them exactly)
     x[0, :252] = torch.cat([ties, -ties]).to(x.dtype)
     x[0, 252:256] = torch.tensor([448.0, 447.0, 2.0**-10, 1.9375])  # row scale 1: the values are quantized as is
-    q, s = triton_ops.per_token_quant(x, torch.float8_e4m3fn)
+    q, s = triton_ops.per_token_quant(x, torch.float8_e4m3fn, block=block)
     rq, rs = ops_ref.per_token_quant_ref(x, torch.float8_e4m3fn)
     assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), seed
 
