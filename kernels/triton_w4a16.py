@@ -6,9 +6,10 @@ K-tile of codes is unpacked, dequantized as (q - z) * s in fp32, rounded to x's 
 fp32 accumulation.
 
 Four paths by the number of rows M:
-- M == 1 (batch-1 decode) on the integer layouts with contiguous groups: a GEMV kernel that takes each code
-  from its word by shifts and applies scale and zero once per group and column (y += s (x.q - z sum x)), split
-  over K;
+- M == 1 (batch-1 decode) on the integer layouts with contiguous groups: a GEMV kernel that applies scale and
+  zero once per group and column (y += s (x.q - z sum x)), split over K; for AWQ `_awq_gemv_kernel`, which takes
+  each code into a float without a conversion and sums its split partials itself, for GPTQ and pack
+  `_gemv_kernel`;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
   writes an fp32 partial; the partials are summed in a fixed order);
 - 16 < M < DEQUANT_M: tiled, with larger row tiles;
@@ -142,54 +143,35 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_si
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_split, stride_qk, stride_qn,
                  stride_sg, stride_sn, stride_zg, stride_osplit, LAYOUT: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x (batch-1 decode) times W^T, for the integer layouts (awq, gptq, pack) with contiguous
-    groups. Per K-tile (inside one group): y[n] += s[n] * (sum_k x[k] q[k, n] - z[n] sum_k x[k]) in fp32, the
-    codes taken from each word by shifts, without forming the dequantized tile."""
+    """One row of x (batch-1 decode) times W^T, for the layouts packed along K (gptq [K/PER, N], pack
+    [N, K/PER]) with contiguous groups (AWQ has _awq_gemv_kernel). Per K-tile (inside one group):
+    y[n] += s[n] * (sum_k x[k] q[k, n] - z[n] sum_k x[k]) in fp32, the codes taken from each word by shifts,
+    without forming the dequantized tile."""
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, PER)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if LAYOUT == 0:  # awq [K, N/8]: outputs held as [words, 8]
-        nw = pid_n * (BLOCK_N // PER) + tl.arange(0, BLOCK_N // PER)
-        n = nw[:, None] * PER + j[None, :]
-        n_mask = n < N
-        shift = _field_shifts(BITS, True)
-        acc = tl.zeros((BLOCK_N // PER, PER), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = k < k_end
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            word = tl.load(qw_ptr + k[:, None] * stride_qk + nw[None, :], mask=k_mask[:, None] & (nw < N // PER),
-                           other=0)
-            q = ((word[:, :, None] >> shift[None, None, :]) & MASK).to(tl.float32)
-            xq = tl.sum(x[:, None, None] * q, axis=0)
-            g = k0 // group_size
-            sc = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)
-            zw = tl.load(z_ptr + g * stride_zg + nw, mask=nw < N // PER, other=0)
-            z = ((zw[:, None] >> shift[None, :]) & MASK).to(tl.float32)
-            acc += sc * (xq - z * tl.sum(x, axis=0))
-    else:  # gptq [K/PER, N] / pack [N, K/PER]: codes packed along K
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
-            kw_mask = kw * PER < k_end
-            x = tl.load(x_ptr + kw[:, None] * PER + j[None, :], mask=kw_mask[:, None], other=0.0).to(tl.float32)
-            word = tl.load(qw_ptr + kw[:, None] * stride_qk + n[None, :] * stride_qn,
-                           mask=kw_mask[:, None] & n_mask[None, :], other=0)
-            q = ((word[:, None, :] >> _field_shifts(BITS, False)[None, :, None]) & MASK).to(tl.float32)
-            xq = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
-            g = k0 // group_size
-            sc = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-            if LAYOUT == 1:  # gptq's qzeros [groups, N*BITS/32] hold zero - 1
-                zw = tl.load(z_ptr + g * stride_zg + n // PER, mask=n_mask, other=0)
-                z = (((zw >> ((n % PER) * BITS)) + 1) & MASK).to(tl.float32)
-            else:  # pack: symmetric, codes offset by 2^(BITS-1)
-                z = float(1 << (BITS - 1))
-            acc += sc * (xq - z * tl.sum(tl.sum(x, axis=1), axis=0))
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        kw_mask = kw * PER < k_end
+        x = tl.load(x_ptr + kw[:, None] * PER + j[None, :], mask=kw_mask[:, None], other=0.0).to(tl.float32)
+        word = tl.load(qw_ptr + kw[:, None] * stride_qk + n[None, :] * stride_qn,
+                       mask=kw_mask[:, None] & n_mask[None, :], other=0)
+        q = ((word[:, None, :] >> _field_shifts(BITS, False)[None, :, None]) & MASK).to(tl.float32)
+        xq = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
+        g = k0 // group_size
+        sc = tl.load(s_ptr + g * stride_sg + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+        if LAYOUT == 1:  # gptq's qzeros [groups, N*BITS/32] hold zero - 1
+            zw = tl.load(z_ptr + g * stride_zg + n // PER, mask=n_mask, other=0)
+            z = (((zw >> ((n % PER) * BITS)) + 1) & MASK).to(tl.float32)
+        else:  # pack: symmetric, codes offset by 2^(BITS-1)
+            z = float(1 << (BITS - 1))
+        acc += sc * (xq - z * tl.sum(tl.sum(x, axis=1), axis=0))
     tl.store(out_ptr + pid_k.to(tl.int64) * stride_osplit + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -464,9 +446,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     cfg.update({k: v for k, v in given.items() if v is not None})
     qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
                                                                 group_size, K, cfg["block_k"])
-    gemv = cfg["block_m"] == 1 and M == 1 and layout != "channel" and not has_g
-    if gemv and layout == "awq" and bits == 4:
-        return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
+    gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack", "awq") and not has_g
+    if gemv and layout == "awq":
+        if bits == 4:
+            return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
+        gemv = False  # (served AWQ is 4-bit) the tile kernel
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)
