@@ -316,15 +316,14 @@ def section_profile(results: dict, out: Path) -> None:
     free_gpu()
 
 
-def gpu_busy_fraction(cfg: dict, prompts, outs, first: int = 100, n: int = 20) -> dict:
-    """Steady-state decode: the fraction of wall time the GPU runs kernels, over n steps from step `first`
-    (CUDA activity tracing only, no host-op recording, so the host loop runs as it does unprofiled)."""
+def profile_steps(eng, prompts, outs, first: int, n: int):
+    """Add the requests (sampled, eos ignored), run `first` engine steps, then n more under a profile of CUDA
+    activity only (no host-op recording, so the host loop runs as it does unprofiled): (profile, wall seconds of
+    the n steps, requests running after them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vserve import LLM, SamplingParams
+    from vserve import SamplingParams
 
-    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=256)
-    eng = llm.llm_engine
     for i, (pr, o) in enumerate(zip(prompts, outs)):
         eng.add_request(str(i), pr, SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True))
     for _ in range(first):
@@ -336,8 +335,17 @@ def gpu_busy_fraction(cfg: dict, prompts, outs, first: int = 100, n: int = 20) -
             eng.step(finished_only=True)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    return prof, wall, len(eng.scheduler.running)
+
+
+def gpu_busy_fraction(cfg: dict, prompts, outs, first: int = 100, n: int = 20) -> dict:
+    """Steady-state decode: the fraction of wall time the GPU runs kernels, over n steps from step `first`."""
+    from vserve import LLM
+
+    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=256)
+    eng = llm.llm_engine
+    prof, wall, running = profile_steps(eng, prompts, outs, first, n)
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-    running = len(eng.scheduler.running)
     del llm, eng, prof
     free_gpu()
     return dict(steps=n, wall_s=wall, gpu_kernel_s=busy, busy_fraction=busy / wall, batch=running)

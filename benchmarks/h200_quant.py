@@ -323,39 +323,33 @@ def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False
             copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(reps)]
             wreps = max(1, -(-cold_bytes // (K * N * 2)))
             ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(wreps)]
-
-            def fn(_c=copies, _x=x, _gs=gs, **kw):
-                for c in _c:
-                    triton_w4a16.w4a16_gemm(_x, *c, None, "awq", 4, _gs, **kw)
-
-            def bf16(_ws=ws, _x=x):
-                for w in _ws:
-                    torch.nn.functional.linear(_x, w)
-
-            def per(t, n):
-                return t / n
         else:
-            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-            fn = partial(triton_w4a16.w4a16_gemm, x, qw, s, z, None, "awq", 4, gs)
-            bf16 = partial(torch.nn.functional.linear, x, w)
-            reps = wreps = 1
+            copies, reps = [(qw, s, z)], 1
+            ws, wreps = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02], 1
 
-            def per(t, n):
-                return t
-        row = dict(K=K, N=N, cold=cold, bf16_ms=per(time_ms(bf16, dev, iters=4 if cold else 20)[0], wreps),
-                   default_ms=per(time_ms(fn, dev, iters=4 if cold else 20)[0], reps),
-                   default_nofixup_ms=per(time_ms(partial(fn, fixup=False), dev, iters=4 if cold else 20)[0], reps))
+        def fn(_c=copies, _x=x, _gs=gs, **kw):
+            for c in _c:
+                triton_w4a16.w4a16_gemm(_x, *c, None, "awq", 4, _gs, **kw)
+
+        def bf16(_ws=ws, _x=x):
+            for w in _ws:
+                torch.nn.functional.linear(_x, w)
+
+        def each(f, n, _iters=4 if cold else 20):  # ms per GEMM
+            return time_ms(f, dev, iters=_iters)[0] / n
+
+        row = dict(K=K, N=N, cold=cold, bf16_ms=each(bf16, wreps), default_ms=each(fn, reps),
+                   default_nofixup_ms=each(partial(fn, fixup=False), reps))
         timed = []
         for cfg in grid:
             try:
-                timed.append((per(time_ms(partial(fn, **cfg), dev, iters=4 if cold else 20)[0], reps), cfg))
+                timed.append((each(partial(fn, **cfg), reps), cfg))
             except Exception:  # out of registers etc.
                 continue
         timed.sort(key=lambda t: t[0])
         row["best"] = [dict(ms=t, **c) for t, c in timed[:6]]
         if timed:
-            row["best_nofixup_ms"] = per(time_ms(partial(fn, fixup=False, **timed[0][1]), dev,
-                                                 iters=4 if cold else 20)[0], reps)
+            row["best_nofixup_ms"] = each(partial(fn, fixup=False, **timed[0][1]), reps)
         nbytes = K * N / 2 + K // gs * N * 2.5  # codes + fp16 scales + packed zeros
         row["default_TBps"] = nbytes / (row["default_ms"] * 1e-3) / 1e12
         row["best_TBps"] = nbytes / (timed[0][0] * 1e-3) / 1e12 if timed else None
@@ -452,8 +446,7 @@ def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv
                     first: int, steps: int = 10) -> None:
     """Kernel time by name over `steps` engine steps from step `first` (CUDA activity only, CUDA graphs replay as
     in a run), beside the steps' wall time; the table goes to OUT/profile_LABEL.txt."""
-    from h200_engine import free_gpu, model_dir, workload
-    from torch.profiler import ProfilerActivity, profile
+    from h200_engine import free_gpu, model_dir, profile_steps, workload
 
     from vserve import LLM, SamplingParams
 
@@ -462,17 +455,7 @@ def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv
               max_num_seqs=max(8, n), enforce_eager=False, kv_cache_dtype=kv)
     llm.generate(p[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.llm_engine
-    for i, (pr, m) in enumerate(zip(p, o)):
-        eng.add_request(str(i), pr, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True))
-    for _ in range(first):
-        eng.step(finished_only=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step(finished_only=True)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    prof, wall, batch = profile_steps(eng, p, o, first, steps)
     ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
     busy = sum(e.self_device_time_total for e in ka) / 1e3  # ms
     try:
@@ -481,7 +464,7 @@ def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     (out / f"profile_{label}.txt").write_text(table)
     res[f"profile_{label}"] = dict(
-        steps=steps, batch=len(eng.scheduler.running), wall_ms_per_step=1e3 * wall / steps,
+        steps=steps, batch=batch, wall_ms_per_step=1e3 * wall / steps,
         kernel_ms_per_step=busy / steps, top=[(e.key[:90], round(e.self_device_time_total / 1e3 / steps, 4),
                                                e.count // steps) for e in ka[:25]])
     del llm, eng, prof
