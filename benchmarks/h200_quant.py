@@ -442,6 +442,38 @@ def section_throughput_fast(res: dict, base: dict) -> None:
             scaled_mm.FAST_ACCUM = default
 
 
+def decode_config(cfg: dict | None):
+    """Run the engine's decode attention with launch overrides cfg (None: the defaults) from the next model on."""
+    from vserve import kernels
+    from vserve.kernels import triton_attention as tri
+
+    orig = getattr(tri.paged_decode_attention, "__wrapped__", tri.paged_decode_attention)
+    tri.paged_decode_attention = partial(orig, **cfg) if cfg else orig
+    if cfg:
+        tri.paged_decode_attention.__wrapped__ = orig
+    kernels._triton.cache_clear()  # the op table holds the function it found first
+
+
+def section_throughput_attn(res: dict, base: dict, sweep: Path) -> None:
+    """256 requests, bf16 and FP8 W8A8 + fp8 KV, each with the default decode launch and with the fastest one of
+    benchmarks/decode_sweep.py's B=240 case for its cache dtype (sweep: its JSON)."""
+    from h200_engine import run_vserve, workload
+
+    best = json.loads(sweep.read_text())["best"]
+    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    for q, kv, key in (("bf16", "auto", "bf16"), ("fp8", "fp8", "fp8")):
+        cfg = next(v["cfg"] for k, v in best.items() if k.startswith(f"{key} B=240"))
+        for label, c in (("default", None), ("tuned", cfg if cfg != "default" else None)):
+            decode_config(c)
+            try:
+                r = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
+                                          kv_cache_dtype=kv))
+            finally:
+                decode_config(None)
+            res[f"throughput_256_u100_1024_{q}_kv_{kv}_decode_{label}"] = dict(r, decode_cfg=c)
+            print(f"{q} kv {kv} decode {label} {c}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv: str, n: int, in_len, out_len,
                     first: int, steps: int = 10) -> None:
     """Kernel time by name over `steps` engine steps from step `first` (CUDA activity only, CUDA graphs replay as
@@ -510,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
-                         "bs1_awq, fp8mm, throughput_fast")
+                         "bs1_awq, fp8mm, throughput_fast, throughput_attn (after decode_sweep.py --out OUT)")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -553,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   (100, 1024), (100, 1024), 150),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES),
-                    "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B)}
+                    "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
+                    "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json")}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "capability": torch.cuda.get_device_capability()}

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import round_to_e4m3
+from vserve.kernels.triton_ops import _interpreted, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
 
@@ -35,9 +35,23 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _load_kv(ptrs, mask, dtype):
-    """Cached K or V in the dtype of the dots (an fp8 cache is upcast here; zero where masked)."""
-    return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
+def _e4m3_to_f16(x):
+    """e4m3 -> fp16 (exact) by the hardware's paired conversion, as an opaque op: Triton moves a plain cast past the
+    layout change into the dot operand, and an fp8 V tile read transposed from shared memory takes one byte load
+    per value (128 LDS.U8 a 128-token tile); converted here, V goes through shared memory as fp16 and ldmatrix.trans."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _load_kv(ptrs, mask, dtype, HW_CVT: tl.constexpr = False):
+    """Cached K or V in the dtype of the dots (an fp8 cache is upcast here; zero where masked). HW_CVT: an fp8
+    cache read for fp16 dots, converted in registers by _e4m3_to_f16 (not under the interpreter)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if HW_CVT:
+        return _e4m3_to_f16(x)
+    return x.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- store
@@ -86,7 +100,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                             SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr):
+                             SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
+                             V_HW_CVT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot."""
     b = tl.program_id(0).to(tl.int64)
@@ -126,7 +141,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-        v = _load_kv(vc_ptr + v_off[:, None] + d[None, :], nmask[:, None] & dmask[None, :], q.dtype)
+        v = _load_kv(vc_ptr + v_off[:, None] + d[None, :], nmask[:, None] & dmask[None, :], q.dtype, V_HW_CVT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -186,7 +201,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partitions when B * kvh < 64 (more programs for small batches), 512 below 512 programs, 2048 from there (a
     long partition per program when the batch alone fills the GPU); KV tiles of 64 tokens, 128 for head dims
     <= 64 or an fp8 cache; 2 pipeline stages. Over an fp8 cache with bf16 queries the dots run in fp16
-    (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster than e4m3 -> bf16).
+    (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster than e4m3 -> bf16), and V is converted in
+    registers before its layout change (_e4m3_to_f16).
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
@@ -217,7 +233,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), H, num_splits,
         D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
-        F16_DOT=q.dtype == torch.bfloat16 and fp8, num_warps=num_warps, num_stages=num_stages)
+        F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
+        num_warps=num_warps, num_stages=num_stages)
     if not single:
         splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
@@ -246,7 +263,7 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d, dmask, stride_kb,
                   stride_kt, stride_vb, stride_vt, kv_head_k, kv_head_v, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One KV tile of the online softmax; MASKED applies the causal mask and the context end."""
     offs = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -267,7 +284,8 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_kv(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], vmask, q.dtype)
+    v = _load_kv(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], vmask, q.dtype,
+                 V_HW_CVT)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -277,7 +295,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ot,
                     stride_oh, num_seqs, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (query tile, kv head): BLOCK_M rows = BLOCK_Q query tokens x the GROUP query heads of the kv head (so
     each KV tile is read once per group), flash-attention over the sequence's cached tokens up to each row's
     position. Tiles wholly below the first row's position skip the causal mask."""
@@ -299,6 +317,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_
         q_row = (q_start + tok).to(tl.int64)
         q = tl.load(q_ptr + q_row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
+        if F16_DOT:  # as in the decode kernel: bf16 queries over an fp8 cache, dots in fp16
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -310,11 +330,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
                                           dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_HW_CVT)
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
                                           dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_HW_CVT)
         o = acc / l_i[:, None]  # every row sees position 0, so l_i > 0
         tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -352,6 +372,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_stages = num_stages or cfg["num_stages"]
     assert block_m >= max(16, group) and block_n >= 16, (block_m, block_n, group)
     block_q = block_m // group
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     q, block_tables = _unit_last(q), _unit_last(block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = context_lens.shape[0]
@@ -363,6 +384,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs, D=d, GROUP=group,
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, **extra)
+        DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
+        V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps, **extra)
     return out
 
