@@ -1,15 +1,26 @@
 """W8A8 inputs quantized per token by the kernel that produces them (RMSNorm, fused add + RMSNorm, SiLU-and-mul;
 Triton under its interpreter on CPU): the same codes and scales, bit for bit, as producing the activation and then
-quantizing it."""
+quantizing it, so a W8A8 model's logits do not change with the fusion; other models never take it."""
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import json  # noqa: E402
+import shutil  # noqa: E402
+from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from vserve import kernels  # noqa: E402
+from vserve.core import distributed  # noqa: E402
+from vserve.core.layers import linear, vocab_parallel_embedding  # noqa: E402
+from vserve.core.layers.attention import AttentionMetadata  # noqa: E402
+from vserve.core.layers.linear import Linear  # noqa: E402
+from vserve.core.loader import build_model  # noqa: E402
+from vserve.core.model_config import ModelConfig  # noqa: E402
+from vserve.core.model_runner import ModelRunner  # noqa: E402
 from vserve.kernels import ops_ref, triton_ops  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")  # interpreter
@@ -18,6 +29,7 @@ FP8, INT8 = torch.float8_e4m3fn, torch.int8
 # bf16 only against the unfused kernels: the interpreter's float -> bf16 conversion is not torch's, in both alike
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MIN_SCALE = torch.tensor(ops_ref.MIN_SCALE, dtype=torch.float32)  # an all-zero row's scale
+FUSED = ("rms_norm_quant", "fused_add_rms_norm_quant", "silu_and_mul_quant", "fp8_mm", "int8_mm")
 
 
 def _codes(q: torch.Tensor) -> torch.Tensor:
@@ -103,3 +115,75 @@ def test_fused_references_are_the_unfused_references(seed, qdtype):
     g = torch.randn(4, 192, dtype=torch.bfloat16)
     _assert_same(ops_ref.silu_and_mul_quant_ref(g, qdtype),
                  ops_ref.per_token_quant_ref(ops_ref.silu_and_mul_ref(g), qdtype), seed)
+
+
+# ---- the model: fused and unfused give the same logits ---------------------------------------------------------
+
+
+def _prefill(model, cfg: ModelConfig) -> torch.Tensor:
+    """The last hidden states of two prompts prefilled together into fresh KV cache blocks."""
+    ModelRunner(model, cfg, 16, 2, next(model.parameters()).dtype, torch.device("cpu"))  # binds the KV cache
+    lens = [5, 11]
+    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    md = AttentionMetadata(torch.cat([torch.arange(n) + 16 * i for i, n in enumerate(lens)]), torch.tensor([[0], [1]]),
+                           torch.tensor(lens), 0, torch.tensor([0, lens[0], sum(lens)]))
+    with torch.inference_mode():
+        return model(ids, pos, md)
+
+
+def _count_fused_calls(monkeypatch) -> Counter:
+    """Count the CPU path's calls of the fused kernels and the W8A8 GEMMs taking their output."""
+    calls, ops = Counter(), kernels._reference()
+    for name in FUSED:
+        fn = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _fn=fn, _name=name, **k: calls.update([_name]) or _fn(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("flag", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_w8a8_model_gives_the_same_logits_with_the_quantization_fused(tiny_model, monkeypatch, flag, dtype, tp):
+    """A 2-layer Llama with dummy W8A8 weights. tp=2: rank 0's shards in this process, its all-reduces skipped
+    (its partial sums compared): the row-parallel down_proj gets its own slice of the input, quantized per token
+    over that slice as before."""
+    if tp > 1:
+        monkeypatch.setattr(distributed, "_STATE", distributed.ParallelState(rank=0, world_size=tp, tp_size=tp))
+        for module in (linear, vocab_parallel_embedding):
+            monkeypatch.setattr(module, "all_reduce", lambda x: x)
+    folder = tiny_model("llama")
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_model(cfg, folder, "dummy", dtype, torch.device("cpu"), quantization=flag)
+    calls = _count_fused_calls(monkeypatch)
+    fused = _prefill(model, cfg)
+    layers = cfg.num_hidden_layers
+    assert calls == {"rms_norm_quant": 1, "fused_add_rms_norm_quant": 2 * layers - 1, "silu_and_mul_quant": layers,
+                     f"{flag}_mm": 3 * layers}  # qkv, gate_up and down; o_proj quantizes its input itself
+    monkeypatch.setattr(Linear, "input_quant_dtype", property(lambda self: None))  # the unfused path
+    calls.clear()
+    unfused = _prefill(model, cfg)
+    assert not calls
+    assert torch.equal(fused, unfused)
+    if tp == 1:
+        assert torch.equal(model.compute_logits(fused), model.compute_logits(unfused))
+
+
+W8A16 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}
+
+
+@pytest.mark.parametrize("quant", [None, "awq", "w8a16"])
+def test_models_without_w8a8_linears_never_quantize_activations(tiny_model, tmp_path, monkeypatch, quant):
+    folder = tiny_model("llama", hidden_size=128, intermediate_size=256)  # AWQ's group 128 divides every input
+    if quant == "w8a16":  # a quantization_config for the dummy weights
+        folder = shutil.copytree(folder, tmp_path / "w8a16")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": W8A16}))
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_model(cfg, folder, "dummy", torch.float32, torch.device("cpu"),
+                        quantization=None if quant == "w8a16" else quant)
+    assert all(m.input_quant_dtype is None for m in model.modules() if isinstance(m, Linear))
+    calls = _count_fused_calls(monkeypatch)
+    _prefill(model, cfg)
+    assert not calls
