@@ -3,10 +3,11 @@
     python -m vserve.kernels.gpu_check --out gpu_check.md [--sweep] [--skip-bench]
 
 Correctness is measured against the reference run in float32 on the same (low-precision) inputs; the column
-"torch err" is the reference's own error when run in the low dtype, for scale. Decode is reported as GB/s of KV
-read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash backend and
-torch.nn.attention.varlen.varlen_attn when the installed torch has it. ``--tiny`` shrinks every shape so the
-script itself can be smoke-tested on a CPU under TRITON_INTERPRET=1 (its timings then mean nothing).
+"torch err" is the reference's own error when run in the low dtype, for scale. The W8A8 activation quantizers must
+be bit-exact: per_token_quant against its reference, each fused one against the kernels it replaces. Decode is
+reported as GB/s of KV read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash
+backend and torch.nn.attention.varlen.varlen_attn when the installed torch has it. ``--tiny`` shrinks every shape so
+the script itself can be smoke-tested on a CPU under TRITON_INTERPRET=1 (its timings then mean nothing).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ def check_ops(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool
             row("fused_add_rms_norm", torch.cat([normed, new_res]), torch.cat([ref_normed, ref_res]))]
     g = torch.randn(T, 2 * m.intermediate, dtype=dtype, device=dev)
     rows.append(row("silu_and_mul", tri.silu_and_mul(g), ops_ref.silu_and_mul_ref(g)))
+    rows += check_quant(f"{name} T={T}", dt, x, res, w, g)
     half = m.head_dim // 2
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, half, device=dev).float() / half))
     freqs = torch.outer(torch.arange(8192, device=dev).float(), inv_freq)
@@ -258,6 +260,37 @@ def check_ops(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool
     qr, kr = ops_ref.rotary_embedding_ref(pos, q, k, cos, sin)
     rows.append(row("rotary_embedding", torch.cat([qo.flatten(1), ko.flatten(1)], 1),
                     torch.cat([qr.flatten(1), kr.flatten(1)], 1)))
+    return rows
+
+
+def check_quant(case: str, dt: str, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor,
+                g: torch.Tensor) -> list[CheckRow]:
+    """W8A8 activation quantizers, exact: per_token_quant against its reference, and each fused one (the norm or
+    SiLU-and-mul quantizing its output) against the two kernels it replaces: the same codes, scales and residual
+    bit for bit, so serving gives the same tokens with and without the fusion."""
+    import triton
+
+    from vserve.kernels import ops_ref
+    from vserve.kernels import triton_ops as tri
+
+    def exact(kernel, got, expected, same_residual=True):
+        (q, s), (rq, rs) = got, expected
+        same = same_residual and torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        return CheckRow(kernel, case, dt, _err(q.float() * s, rq.float() * rs), same, "bit-exact")
+
+    rows, chunk = [], triton.next_power_of_2(g.shape[-1] // 2) // 4  # a row of g's SiLU output in 4 chunks
+    normed, new_res = tri.fused_add_rms_norm(x, res, w, 1e-5)
+    for qdt, q in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
+        fused, fused_res = tri.fused_add_rms_norm_quant(x, res, w, 1e-5, qdt)
+        rows += [exact(f"per_token_quant {q}", tri.per_token_quant(x, qdt), ops_ref.per_token_quant_ref(x, qdt)),
+                 exact(f"rms_norm_quant {q}", tri.rms_norm_quant(x, w, 1e-5, qdt),
+                       tri.per_token_quant(tri.rms_norm(x, w, 1e-5), qdt)),
+                 exact(f"fused_add_rms_norm_quant {q}", fused, tri.per_token_quant(normed, qdt),
+                       torch.equal(fused_res, new_res)),
+                 exact(f"silu_and_mul_quant {q}", tri.silu_and_mul_quant(g, qdt),
+                       tri.per_token_quant(tri.silu_and_mul(g), qdt)),
+                 exact(f"silu_and_mul_quant {q} (2 passes)", tri.silu_and_mul_quant(g, qdt, block=chunk),
+                       tri.per_token_quant(tri.silu_and_mul(g), qdt))]
     return rows
 
 

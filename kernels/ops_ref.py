@@ -60,3 +60,25 @@ def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
         return v.clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
     assert dtype == torch.int8, dtype
     return torch.round(v).clamp(-128, 127).to(torch.int8), scale
+
+
+# Each W8A8 linear's input quantized by the kernel that produces it (one launch instead of two): the same values
+# as producing the activation in its dtype and then quantizing it.
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant_ref(rms_norm_ref(x, weight, eps), dtype) -> (xq [..., K], scale [..., 1])."""
+    return per_token_quant_ref(rms_norm_ref(x, weight, eps), dtype)
+
+
+def fused_add_rms_norm_quant_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 dtype: torch.dtype) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((xq, scale) of rms_norm(x + residual), x + residual)."""
+    normed, h = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return per_token_quant_ref(normed, dtype), h
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant_ref(silu_and_mul_ref(x), dtype): x [..., 2N] -> (xq [..., N], scale [..., 1])."""
+    return per_token_quant_ref(silu_and_mul_ref(x), dtype)

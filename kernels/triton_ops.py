@@ -1,4 +1,5 @@
-"""Triton kernels for the non-attention ops: RMSNorm (with the residual add fused in), SiLU-and-mul, RoPE.
+"""Triton kernels for the non-attention ops: RMSNorm (with the residual add fused in), SiLU-and-mul, RoPE, and
+per-token quantization for W8A8 linears, alone or fused into the RMSNorm / SiLU-and-mul producing their input.
 
 Each matches its reference in kernels/ops_ref.py (same signature, same rounding points, new output tensors;
 inputs are never written). Math is fp32 in registers; inputs fp16/bf16/fp32 with a contiguous last dim.
@@ -25,8 +26,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, stride_r, stride_o, stride_ro, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, N, stride_x, stride_r, stride_o, stride_ro,
+                     eps, qmax, min_scale, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, IS_FP8: tl.constexpr,
+                     HW_FP8: tl.constexpr, Q_ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -40,26 +42,39 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, str
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # out gets the codes of y as rms_norm stores it (rounded to x's dtype), s the row's scale
+        # The codes' row is declared Q_ALIGN-byte aligned, no more: the alignment rms_norm's stores of y have in
+        # values. Triton then spreads the row over the threads as in rms_norm (a 16-byte int8 store would give each
+        # thread twice the values), so the sum of squares is added in the same order and y is rms_norm's, bit for
+        # bit.
+        q_row = out_ptr + tl.multiple_of(row * stride_o, Q_ALIGN)
+        _quant_row(y.to(x.dtype).to(tl.float32), q_row + cols, s_ptr + row, mask, qmax, min_scale, IS_FP8, HW_FP8)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_norm(x, residual, weight, eps, num_warps):
+def _rms_norm(x, residual, weight, eps, num_warps, quant_dtype=None):
+    """(rms_norm(x [+ residual]), the new residual or None); with quant_dtype the first is (codes, scales)."""
     n = x.shape[-1]
     assert weight.shape == (n,), (weight.shape, n)
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    r2 = x2 if residual is None else _rows(residual)
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(h_dtype, weight.dtype)
+    # quantizing, the kernel rounds the normed rows to x's dtype (which weight and residual must share)
+    assert quant_dtype is None or x.dtype == weight.dtype == h_dtype, (x.dtype, h_dtype, weight.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype if quant_dtype is None else quant_dtype, device=x.device)
+    new_res = out if residual is None else torch.empty(x2.shape, dtype=h_dtype, device=x.device)
+    scale = out if quant_dtype is None else torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n)
-    warps = num_warps or _row_warps(block)
-    if residual is None:
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight.contiguous(), out, out, n, x2.stride(0), 0, out.stride(0), 0,
-                                         eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
-        return out.view(x.shape), None
-    r2 = _rows(residual)
-    new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), out, new_res, n, x2.stride(0), r2.stride(0),
-                                     out.stride(0), new_res.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block,
-                                     num_warps=warps)
-    return out.view(x.shape), new_res.view(x.shape)
+    # rms_norm stores 16 bytes of y at a time where Triton knows the row stride divides by 16, else one value
+    q_align = 16 // x.element_size() if out.stride(0) % 16 == 0 else 1
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), out, new_res, scale, n, x2.stride(0), r2.stride(0),
+                                     out.stride(0), new_res.stride(0), eps, HAS_RESIDUAL=residual is not None,
+                                     QUANT=quant_dtype is not None, Q_ALIGN=q_align, BLOCK=block,
+                                     num_warps=num_warps or _row_warps(block), **_quant_args(quant_dtype))
+    y = out.view(x.shape) if quant_dtype is None else (out.view(x.shape), scale.view(*x.shape[:-1], 1))
+    return y, None if residual is None else new_res.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int | None = None) -> torch.Tensor:
@@ -74,16 +89,36 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _rms_norm(x, residual, weight, eps, num_warps)
 
 
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, *,
+                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant(rms_norm(x)) in one pass (as rms_norm_quant_ref): (xq [..., K] fp8/int8, scale [..., 1]
+    float32), the same codes and scales as the two kernels give."""
+    return _rms_norm(x, None, weight, eps, num_warps, dtype)[0]
+
+
+def fused_add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             dtype: torch.dtype, *, num_warps: int | None = None):
+    """((xq, scale) of rms_norm(x + residual), x + residual) in one pass (as fused_add_rms_norm_quant_ref)."""
+    assert x.shape == residual.shape, (x.shape, residual.shape)
+    return _rms_norm(x, residual, weight, eps, num_warps, dtype)
+
+
+@triton.jit
+def _silu_mul(x_row, cols, mask, N):
+    """silu(gate) * up at cols of a row x = [gate | up] (N each), in x's dtype; silu is rounded to that dtype
+    before the product, as F.silu(gate) * up is."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_row.dtype.element_ty).to(tl.float32)
+    return (act * up).to(x_row.dtype.element_ty)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu is rounded to the input dtype before the product, as F.silu(gate) * up is
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(x_ptr + row * stride_x, cols, mask, N), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
@@ -194,29 +229,51 @@ def _store_quant(ptr, v, mask, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, IS_FP8: tl.constexpr,
-                            HW_FP8: tl.constexpr, BLOCK: tl.constexpr):
+def _token_scale(amax, qmax, min_scale):
+    return tl.maximum(tl.math.div_rn(amax, qmax), min_scale)  # IEEE division, as torch's
+
+
+@triton.jit
+def _quant_row(x, q_ptrs, s_ptr, mask, qmax, min_scale, IS_FP8: tl.constexpr, HW_FP8: tl.constexpr):
+    """Quantize a whole row held in registers (fp32, 0 where masked): store its scale and its codes."""
+    scale = _token_scale(tl.max(tl.abs(x), axis=0), qmax, min_scale)
+    tl.store(s_ptr, scale)
+    _store_quant(q_ptrs, _quant_values(x, scale, IS_FP8, HW_FP8), mask, IS_FP8)
+
+
+@triton.jit
+def _row_values(x_row, k, K, SILU_AND_MUL: tl.constexpr):
+    """Values k of a row in fp32, 0 from K on: x's own, or silu(gate) * up (in x's dtype) for x = [gate | up]."""
+    if SILU_AND_MUL:
+        v = _silu_mul(x_row, k, k < K, K)
+    else:
+        v = tl.load(x_row + k, mask=k < K, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, min_scale, SILU_AND_MUL: tl.constexpr,
+                            IS_FP8: tl.constexpr, HW_FP8: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program. A row that fits in one BLOCK is read once and kept in registers; a longer one is
-    read twice (the max, then the values; the second read hits L2)."""
+    read twice (the max, then the values; the second read hits L2). SILU_AND_MUL: the row quantized is
+    silu_and_mul of x's row, computed on each read."""
     row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
     if BLOCK >= K:
         k = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), qmax), min_scale)
-        tl.store(s_ptr + row, scale)
-        _store_quant(q_ptr + row * stride_q + k, _quant_values(x, scale, IS_FP8, HW_FP8), k < K, IS_FP8)
+        _quant_row(_row_values(x_row, k, K, SILU_AND_MUL), q_row + k, s_ptr + row, k < K, qmax, min_scale, IS_FP8,
+                   HW_FP8)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):  # pass 1: max |x| of the row
             k = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), qmax), min_scale)  # IEEE division, as torch's
+            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k, K, SILU_AND_MUL)))
+        scale = _token_scale(tl.max(amax, axis=0), qmax, min_scale)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):  # pass 2: quantize (the row is in L2 by now)
             k = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            _store_quant(q_ptr + row * stride_q + k, _quant_values(x, scale, IS_FP8, HW_FP8), k < K, IS_FP8)
+            v = _quant_values(_row_values(x_row, k, K, SILU_AND_MUL), scale, IS_FP8, HW_FP8)
+            _store_quant(q_row + k, v, k < K, IS_FP8)
 
 
 def _interpreted() -> bool:
@@ -224,22 +281,43 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _quant_args(dtype: torch.dtype | None) -> dict:
+    """The quantizing kernels' arguments for codes of dtype (float8_e4m3fn or int8; None: not quantizing)."""
+    from vserve.kernels.ops_ref import FP8_MAX, INT8_MAX, MIN_SCALE
+
+    assert dtype in (None, torch.float8_e4m3fn, torch.int8), dtype
+    fp8 = dtype == torch.float8_e4m3fn
+    return dict(qmax=FP8_MAX if fp8 else INT8_MAX, min_scale=MIN_SCALE, IS_FP8=fp8, HW_FP8=fp8 and not _interpreted())
+
+
+def _quant_rows(x2: torch.Tensor, K: int, dtype: torch.dtype, silu_and_mul: bool, block: int,
+                num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    M = x2.shape[0]
+    q = torch.empty(M, K, dtype=dtype, device=x2.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x2.device)
+    if M == 0:
+        return q, s
+    blk = min(block, triton.next_power_of_2(K))
+    if num_warps is None:
+        num_warps = max(4, min(16, blk // 512))
+    _per_token_quant_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), SILU_AND_MUL=silu_and_mul, BLOCK=blk,
+                                  num_warps=num_warps, **_quant_args(dtype))
+    return q, s
+
+
 def per_token_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 16384,
                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As per_token_quant_ref: x [M, K] -> (xq [M, K] fp8/int8, scale [M, 1] float32), new tensors. Rows up to
     `block` long are read once; num_warps defaults to one per 512 values of the row (4 to 16)."""
-    from vserve.kernels.ops_ref import FP8_MAX, INT8_MAX, MIN_SCALE
-
     x2 = _rows(x)
-    M, K = x2.shape
-    q = torch.empty(M, K, dtype=dtype, device=x.device)
-    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return q, s
-    fp8 = dtype == torch.float8_e4m3fn
-    blk = min(block, triton.next_power_of_2(K))
-    if num_warps is None:
-        num_warps = max(4, min(16, blk // 512))
-    _per_token_quant_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), FP8_MAX if fp8 else INT8_MAX, MIN_SCALE,
-                                  IS_FP8=fp8, HW_FP8=fp8 and not _interpreted(), BLOCK=blk, num_warps=num_warps)
-    return q, s
+    return _quant_rows(x2, x2.shape[1], dtype, False, block, num_warps)
+
+
+def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, *, block: int = 16384,
+                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant(silu_and_mul(x)) in one kernel (as silu_and_mul_quant_ref): x [..., 2N] -> (xq [..., N],
+    scale [..., 1]), the same codes and scales as the two kernels give; launched as per_token_quant is."""
+    n = x.shape[-1] // 2
+    assert x.shape[-1] == 2 * n, x.shape
+    q, s = _quant_rows(_rows(x), n, dtype, True, block, num_warps)
+    return q.view(*x.shape[:-1], n), s.view(*x.shape[:-1], 1)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vserve.core.distributed import all_reduce, get_tp_rank, get_tp_size, shard
-from vserve.core.layers.quantization import QuantConfig, UnquantizedMethod
+from vserve.core.layers.quantization import QuantConfig, QuantizedActivation, UnquantizedMethod
 
 
 class Linear(nn.Module):
@@ -75,7 +75,13 @@ class Linear(nn.Module):
             param.shared_loaded = True
         dst.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_quant_dtype(self) -> torch.dtype | None:
+        """What a W8A8 layer quantizes its input to per token (float8_e4m3fn or int8): the kernel producing the
+        input may pass it quantized already, as a QuantizedActivation. None: forward takes a tensor only."""
+        return self.quant_method.input_quant_dtype
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         if self.parallel != "row" or get_tp_size() == 1:
             return self.quant_method.apply(self, x, self.bias)
         y = all_reduce(self.quant_method.apply(self, x, None))  # the bias is added once, after the sum of partials

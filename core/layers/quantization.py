@@ -7,8 +7,8 @@ explicit --quantization); `QuantConfig.linear_method(prefix)` gives each Linear 
   8-bit, symmetric): weight-only, kernels' w4a16_gemm;
 - compressed-tensors (llm-compressor) "float-quantized" / "int-quantized", and vLLM's plain "fp8": 8-bit
   weights with a scale per output channel (or per tensor, widened to channels at load); with dynamic per-token
-  activation quantization (W8A8: kernels' fp8_linear / int8_linear) or without (W8A16: w4a16_gemm's channel
-  layout).
+  activation quantization (W8A8: kernels' fp8_linear / int8_linear, or fp8_mm / int8_mm when the kernel that
+  produced the input quantized it already: a QuantizedActivation) or without (W8A16: w4a16_gemm's channel layout).
 
 A method registers the checkpoint's own tensors on the layer (names, dtypes and shapes as stored, split over TP
 ranks by the layer's weight_loader using each parameter's output_dim/input_dim and packing) and dequantizes in
@@ -212,9 +212,24 @@ def make_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch
     return p
 
 
+@dataclass(slots=True)
+class QuantizedActivation:
+    """A W8A8 linear's input, quantized per token by the kernel that produced it (kernels' rms_norm_quant,
+    fused_add_rms_norm_quant, silu_and_mul_quant): codes [T, K], their scales [T, 1] float32, and the model dtype
+    the activation had (the GEMM's output dtype)."""
+
+    xq: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 class LinearMethod:
     """How a Linear holds and multiplies its weight: create_weights registers parameters, apply computes
-    x W^T (+ bias), init_dummy fills the parameters with random valid values."""
+    x W^T (+ bias), init_dummy fills the parameters with random valid values. input_quant_dtype: the dtype apply
+    quantizes x to per token (W8A8), which then may pass x as a QuantizedActivation of it instead; None: x is
+    always a tensor in the model dtype."""
+
+    input_quant_dtype: torch.dtype | None = None
 
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError
@@ -319,20 +334,26 @@ class ChannelQuantMethod(LinearMethod):
     def __init__(self, cfg: QuantConfig) -> None:
         self.cfg = cfg
         self.dtype = torch.float8_e4m3fn if cfg.kind == "fp8" else torch.int8
-        assert cfg.bits == 8, cfg
+        assert cfg.bits == 8 and cfg.activations in (None, cfg.kind), cfg
+        self.input_quant_dtype = self.dtype if cfg.activations else None
 
     def create_weights(self, layer: nn.Module) -> None:
         make_param(layer, "weight", (layer.out_features, layer.in_features), self.dtype, 0, 1)
         make_param(layer, "weight_scale", (layer.out_features, 1), torch.float32, 0, None, scalar_ok=True)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ops = for_device(x)
-        if self.cfg.activations == "fp8":
-            y = ops.fp8_linear(x, layer.weight, layer.weight_scale)
-        elif self.cfg.activations == "int8":
-            y = ops.int8_linear(x, layer.weight, layer.weight_scale)
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        fp8 = self.cfg.activations == "fp8"
+        if isinstance(x, QuantizedActivation):
+            assert x.xq.dtype == self.input_quant_dtype, (x.xq.dtype, self.input_quant_dtype)
+            ops = for_device(x.xq)
+            y = (ops.fp8_mm if fp8 else ops.int8_mm)(x.xq, x.scale, layer.weight, layer.weight_scale, x.dtype)
+        elif self.input_quant_dtype is not None:
+            ops = for_device(x)
+            y = (ops.fp8_linear if fp8 else ops.int8_linear)(x, layer.weight, layer.weight_scale)
         else:
-            y = ops.w4a16_gemm(x, layer.weight, layer.weight_scale, None, None, "channel", 8, layer.in_features)
+            y = for_device(x).w4a16_gemm(x, layer.weight, layer.weight_scale, None, None, "channel", 8,
+                                         layer.in_features)
         return y if bias is None else y + bias
 
     def init_dummy(self, layer: nn.Module, generator: torch.Generator) -> None:

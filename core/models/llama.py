@@ -10,7 +10,7 @@ from vserve.core.layers.attention import Attention, AttentionMetadata
 from vserve.core.layers.fused_moe import SparseMoeBlock
 from vserve.core.layers.linear import Linear
 from vserve.core.layers.norm import RMSNorm
-from vserve.core.layers.quantization import QuantConfig
+from vserve.core.layers.quantization import QuantConfig, QuantizedActivation
 from vserve.core.layers.rotary import RotaryEmbedding
 from vserve.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from vserve.core.model_config import ModelConfig
@@ -41,9 +41,11 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation,
+                md: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d), v.view(T, self.kvh, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -61,8 +63,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, parallel="row", quant_config=quant,
                                 prefix=f"{prefix}.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(for_device(x).silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        ops, quant = for_device(h), self.down_proj.input_quant_dtype
+        if quant is None:
+            return self.down_proj(ops.silu_and_mul(h))
+        return self.down_proj(QuantizedActivation(*ops.silu_and_mul_quant(h, quant), h.dtype))  # W8A8: fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -81,12 +87,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, md):
+        # W8A8 linears take their input quantized per token by the norm before them (None: not quantized)
+        qkv_quant = self.self_attn.qkv_proj.input_quant_dtype
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, quant_dtype=qkv_quant), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, qkv_quant)
         x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
+        mlp_quant = None if self.mlp is None else self.mlp.gate_up_proj.input_quant_dtype  # MoE: not quantized
+        x, residual = self.post_attention_layernorm(x, residual, mlp_quant)
         return (self.block_sparse_moe(x) if self.mlp is None else self.mlp(x)), residual
 
 
