@@ -265,6 +265,37 @@ def section_throughput(res: dict, base: dict, runs=(("bf16", "auto"), ("fp8", "a
                                          kv_cache_dtype=kv))
 
 
+def section_throughput_pair(res: dict, base: dict, repeats: int = 2) -> None:
+    """The 1.4x goal's pair, bf16 and FP8 W8A8 + fp8 KV, alternated `repeats` times in this process (the spread
+    between repeats is the noise the ratio carries)."""
+    from h200_engine import run_vserve, workload
+
+    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    for i in range(repeats):
+        for q, kv in (("bf16", "auto"), ("fp8", "fp8")):
+            res[f"throughput_256_u100_1024_{q}_kv_{kv}_r{i + 1}"] = _drop_plan(
+                run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv))
+
+
+def section_throughput_partition(res: dict, base: dict) -> None:
+    """FP8 W8A8 + fp8 KV with the default decode partitions and with 2,048-token partitions at every batch size,
+    alternated twice (bf16 once first, for the ratio)."""
+    from h200_engine import run_vserve, workload
+
+    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    runs = [("bf16", "auto", None, "")] + [("fp8", "fp8", c, f"_{lbl}_r{i}") for i in (1, 2)
+                                           for lbl, c in (("default", None), ("p2048", dict(partition_size=2048)))]
+    for q, kv, cfg, tag in runs:
+        decode_config(cfg)
+        try:
+            r = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
+                                      kv_cache_dtype=kv))
+        finally:
+            decode_config(None)
+        res[f"throughput_256_u100_1024_{q}_kv_{kv}{tag}"] = r
+        print(f"{q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def _drop_plan(r: dict) -> dict:
     """run_vserve's record without the (bf16-only) roofline and doctor fields, which do not apply here."""
     return {k: v for k, v in r.items() if k not in ("bound_s", "bound_tok_s", "frac_of_bound", "doctor_prediction")}
@@ -462,8 +493,10 @@ def section_throughput_attn(res: dict, base: dict, sweep: Path) -> None:
     best = json.loads(sweep.read_text())["best"]
     p, o = workload(256, 0, base["vocab_size"], (100, 1024))
     for q, kv, key in (("bf16", "auto", "bf16"), ("fp8", "fp8", "fp8")):
-        cfg = next(v["cfg"] for k, v in best.items() if k.startswith(f"{key} B=240"))
+        cfg = next((v["cfg"] for k, v in best.items() if k.startswith(f"{key} B=240")), "default")
         for label, c in (("default", None), ("tuned", cfg if cfg != "default" else None)):
+            if label == "tuned" and c is None:
+                continue  # no sweep for this cache dtype, or its default won
             decode_config(c)
             try:
                 r = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
@@ -542,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
-                         "bs1_awq, fp8mm, throughput_fast, throughput_attn (after decode_sweep.py --out OUT)")
+                         "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn (after decode_sweep.py), "
+                         "profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -586,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
+                    "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
+                    "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
                     "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json")}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

@@ -190,7 +190,8 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, maxnreg: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens -> [B, H, d].
 
     Split-KV: the context is cut into partitions of partition_size tokens (a multiple of block_n); the number of
@@ -234,7 +235,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
         F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not single:
         splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
