@@ -253,46 +253,43 @@ def section_bs1(res: dict, base: dict) -> None:
                                                              enforce_eager=False))
 
 
-def section_throughput(res: dict, base: dict, runs=(("bf16", "auto"), ("fp8", "auto"))) -> None:
-    """256 requests, outputs U[100, 1024], for each (weights, --kv-cache-dtype) of runs, in this process. The
-    throughput_kv section: bf16 with the model-dtype cache beside bf16 and FP8 W8A8 weights over an fp8 cache."""
+def _run_256(base: dict, q: str, kv: str = "auto", decode: dict | None = None) -> dict:
+    """One run of the throughput workload (256 requests, prompts U[100, 1024] of random tokens, outputs U[100, 1024],
+    ignore_eos) with weights q over a kv cache, decode attention launched with the overrides `decode` (None: the
+    defaults)."""
     from h200_engine import run_vserve, workload
 
     p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    decode_config(decode)
+    try:
+        return _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
+                                     kv_cache_dtype=kv))
+    finally:
+        decode_config(None)
+
+
+def section_throughput(res: dict, base: dict, runs=(("bf16", "auto"), ("fp8", "auto"))) -> None:
+    """256 requests, outputs U[100, 1024], for each (weights, --kv-cache-dtype) of runs, in this process. The
+    throughput_kv section: bf16 with the model-dtype cache beside bf16 and FP8 W8A8 weights over an fp8 cache."""
     for q, kv in runs:
-        key = f"throughput_256_u100_1024_{q}" + ("" if kv == "auto" else f"_kv_{kv}")
-        res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
-                                         kv_cache_dtype=kv))
+        res[f"throughput_256_u100_1024_{q}" + ("" if kv == "auto" else f"_kv_{kv}")] = _run_256(base, q, kv)
 
 
 def section_throughput_pair(res: dict, base: dict, repeats: int = 2) -> None:
     """The 1.4x goal's pair, bf16 and FP8 W8A8 + fp8 KV, alternated `repeats` times in this process (the spread
     between repeats is the noise the ratio carries)."""
-    from h200_engine import run_vserve, workload
-
-    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
     for i in range(repeats):
         for q, kv in (("bf16", "auto"), ("fp8", "fp8")):
-            res[f"throughput_256_u100_1024_{q}_kv_{kv}_r{i + 1}"] = _drop_plan(
-                run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv))
+            res[f"throughput_256_u100_1024_{q}_kv_{kv}_r{i + 1}"] = _run_256(base, q, kv)
 
 
 def section_throughput_partition(res: dict, base: dict) -> None:
     """FP8 W8A8 + fp8 KV with the default decode partitions and with 2,048-token partitions at every batch size,
     alternated twice (bf16 once first, for the ratio)."""
-    from h200_engine import run_vserve, workload
-
-    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
     runs = [("bf16", "auto", None, "")] + [("fp8", "fp8", c, f"_{lbl}_r{i}") for i in (1, 2)
                                            for lbl, c in (("default", None), ("p2048", dict(partition_size=2048)))]
     for q, kv, cfg, tag in runs:
-        decode_config(cfg)
-        try:
-            r = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
-                                      kv_cache_dtype=kv))
-        finally:
-            decode_config(None)
-        res[f"throughput_256_u100_1024_{q}_kv_{kv}{tag}"] = r
+        r = res[f"throughput_256_u100_1024_{q}_kv_{kv}{tag}"] = _run_256(base, q, kv, cfg)
         print(f"{q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
@@ -457,18 +454,15 @@ def section_fp8mm(res: dict, dev: str, shapes, ms=(256, 2048)) -> None:
 
 def section_throughput_fast(res: dict, base: dict) -> None:
     """256 requests: FP8 W8A8 + fp8 KV with use_fast_accum and without it, beside bf16 (this process)."""
-    from h200_engine import run_vserve, workload
-
     from vserve.kernels import scaled_mm
 
     section_throughput(res, base, (("bf16", "auto"),))
-    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
     default = scaled_mm.FAST_ACCUM
     for fast in (False, True):
         scaled_mm.FAST_ACCUM = fast
         try:
-            res["throughput_256_u100_1024_fp8_kv_fp8" + ("_fast_accum" if fast else "_exact_accum")] = _drop_plan(
-                run_vserve(_model_cfg(base, "fp8"), p, o, max_num_seqs=256, enforce_eager=False, kv_cache_dtype="fp8"))
+            res["throughput_256_u100_1024_fp8_kv_fp8" + ("_fast_accum" if fast else "_exact_accum")] = _run_256(
+                base, "fp8", "fp8")
         finally:
             scaled_mm.FAST_ACCUM = default
 
@@ -488,21 +482,13 @@ def decode_config(cfg: dict | None):
 def section_throughput_attn(res: dict, base: dict, sweep: Path) -> None:
     """256 requests, bf16 and FP8 W8A8 + fp8 KV, each with the default decode launch and with the fastest one of
     benchmarks/decode_sweep.py's B=240 case for its cache dtype (sweep: its JSON)."""
-    from h200_engine import run_vserve, workload
-
     best = json.loads(sweep.read_text())["best"]
-    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
     for q, kv, key in (("bf16", "auto", "bf16"), ("fp8", "fp8", "fp8")):
         cfg = next((v["cfg"] for k, v in best.items() if k.startswith(f"{key} B=240")), "default")
         for label, c in (("default", None), ("tuned", cfg if cfg != "default" else None)):
             if label == "tuned" and c is None:
                 continue  # no sweep for this cache dtype, or its default won
-            decode_config(c)
-            try:
-                r = _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
-                                          kv_cache_dtype=kv))
-            finally:
-                decode_config(None)
+            r = _run_256(base, q, kv, c)
             res[f"throughput_256_u100_1024_{q}_kv_{kv}_decode_{label}"] = dict(r, decode_cfg=c)
             print(f"{q} kv {kv} decode {label} {c}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
