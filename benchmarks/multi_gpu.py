@@ -50,7 +50,7 @@ def _gpu() -> bool:
 
 
 def _engine_args(smoke: bool) -> dict:
-    return dict(device="cpu", num_kv_blocks=512, max_num_seqs=16) if smoke else {}
+    return dict(device="cpu", num_kv_blocks=512) if smoke else {}
 
 
 def _serve(folder: str, prompts, outs, tp: int, smoke: bool, greedy: bool = False, **args) -> dict:
@@ -108,28 +108,22 @@ def section_parity(res: dict, tps: list[int], smoke: bool) -> None:
                      for tp, r in runs.items()}
 
 
-def section_throughput(res: dict, key: str, cfg: dict, tps: list[int], smoke: bool) -> None:
-    n = 8 if smoke else 256
-    lens = ((4, 12), (4, 20)) if smoke else ((100, 1024), (100, 1024))
-    p, o = workload(n, 0, cfg["vocab_size"], lens[0], in_len=lens[1])
+def section_runs(res: dict, key: str, cfg: dict, tps: list[int], smoke: bool, bs1: bool = False) -> None:
+    """cfg's shape (dummy weights) at each TP size: the 256-request workload, or with bs1 one request (prompt 128,
+    512 tokens)."""
+    if bs1:
+        n, seed, lens, seqs = 1, 3, ((16, 16), (8, 8)) if smoke else ((512, 512), (128, 128)), 8
+    else:
+        n, seed, lens, seqs = (8, 0, ((4, 12), (4, 20)), 16) if smoke else (256, 0, ((100, 1024), (100, 1024)), 256)
+    p, o = workload(n, seed, cfg["vocab_size"], lens[0], in_len=lens[1])
     folder = model_dir(cfg)
+    tag = "_bs1" if bs1 else ""
     for tp in tps:
         r = _serve(folder, p, o, tp, smoke, load_format="dummy", dtype="float32" if smoke else "bfloat16",
-                   **({} if smoke else {"max_num_seqs": 256}))
+                   max_num_seqs=seqs)
         r.pop("tokens")
-        res[f"{key}_tp{tp}"] = r
-        print(f"{key} TP={tp}: {r['output_tok_s']:.1f} tok/s", flush=True)
-
-
-def section_bs1(res: dict, key: str, cfg: dict, tps: list[int], smoke: bool) -> None:
-    p, o = workload(1, 3, cfg["vocab_size"], (16, 16) if smoke else (512, 512), in_len=(8, 8) if smoke else (128, 128))
-    folder = model_dir(cfg)
-    for tp in tps:
-        r = _serve(folder, p, o, tp, smoke, load_format="dummy", dtype="float32" if smoke else "bfloat16",
-                   **({} if smoke else {"max_num_seqs": 8}))
-        r.pop("tokens")
-        res[f"{key}_bs1_tp{tp}"] = r
-        print(f"{key} batch 1 TP={tp}: {r['output_tok_s']:.1f} tok/s", flush=True)
+        res[f"{key}{tag}_tp{tp}"] = r
+        print(f"{key}{tag} TP={tp}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
 def section_doctor(res: dict, tps: list[int], smoke: bool) -> None:
@@ -195,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     mixtral = dict(MIXTRAL_8X7B, **TINY) if smoke else MIXTRAL_8X7B
     moe_tps = ([1] if args.moe_tp1 else []) + multi
     sections = {"parity": lambda r: section_parity(r, tps, smoke),
-                "throughput": lambda r: section_throughput(r, "llama3_8b", llama, tps, smoke),
-                "moe": lambda r: (section_throughput(r, "mixtral_8x7b", mixtral, moe_tps, smoke),
-                                  section_bs1(r, "mixtral_8x7b", mixtral, moe_tps, smoke)),
+                "throughput": lambda r: section_runs(r, "llama3_8b", llama, tps, smoke),
+                "moe": lambda r: (section_runs(r, "mixtral_8x7b", mixtral, moe_tps, smoke),
+                                  section_runs(r, "mixtral_8x7b", mixtral, moe_tps, smoke, bs1=True)),
                 "doctor": lambda r: section_doctor(r, multi, smoke)}
     names = args.sections.split(",")
     res: dict = {"torch": torch.__version__, "gpus": torch.cuda.device_count() if _gpu() else 0,
