@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vserve.core.request import Request
+from vserve.kernels import for_device
 
 
 @dataclass(slots=True)
@@ -151,25 +152,22 @@ class Sampler:
                 self._column(top_p, dev, logits.dtype) if any(p < 1 for p in top_p) else None,
                 self._column(min_p, dev, logits.dtype) if any(m > 0 for m in min_p) else None,
             )
-            probs = scaled.softmax(-1)
-            # Inverse-CDF draw: one uniform per row, from the request's own generator when seeded (so its
-            # tokens do not depend on the batch), else from the engine's; (0, 1] so a zero-mass token at the
-            # start is never picked.
+            # Inverse-CDF draw (sample_from_logits: one Triton kernel on CUDA): one uniform u in [0, 1) per row,
+            # from the request's own generator when seeded (so its tokens do not depend on the batch), else from
+            # the engine's; the target (1 - u) * total is in (0, total] and a zero-mass token is never drawn.
             glob = self._global_generator(dev)
             seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
             if not seeded:
-                u = torch.rand(len(reqs), generator=glob, device=dev, dtype=probs.dtype)
+                u = torch.rand(len(reqs), generator=glob, device=dev, dtype=scaled.dtype)
             else:
-                u = torch.empty(len(reqs), device=dev, dtype=probs.dtype)
+                u = torch.empty(len(reqs), device=dev, dtype=scaled.dtype)
                 free = [i for i, r in enumerate(reqs) if r.generator is None]
                 if free:
-                    u[free] = torch.rand(len(free), generator=glob, device=dev, dtype=probs.dtype)
+                    u[free] = torch.rand(len(free), generator=glob, device=dev, dtype=scaled.dtype)
                 # per-request generators live on the CPU: one draw each, one copy for all
                 draws = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in seeded])
-                u[seeded] = draws.to(device=dev, dtype=probs.dtype)
-            cdf = probs.cumsum(-1)
-            target = ((1.0 - u) * cdf[:, -1]).unsqueeze(1)
-            tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
+                u[seeded] = draws.to(device=dev, dtype=scaled.dtype)
+            tokens = for_device(scaled).sample_from_logits(scaled, u)
             if any(greedy):
                 tokens = torch.where(self._column(greedy, dev, torch.bool), logits.argmax(dim=-1), tokens)
         out = SampledTokens(tokens, raw_logprobs, params)

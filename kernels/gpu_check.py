@@ -4,9 +4,12 @@
 
 Correctness is measured against the reference run in float32 on the same (low-precision) inputs; the column
 "torch err" is the reference's own error when run in the low dtype, for scale. The W8A8 activation quantizers must
-be bit-exact: per_token_quant against its reference, each fused one against the kernels it replaces. Decode is
-reported as GB/s of KV read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash
-backend and torch.nn.attention.varlen.varlen_attn when the installed torch has it. ``--tiny`` shrinks every shape so
+be bit-exact: per_token_quant against its reference, each fused one against the kernels it replaces. The sampling
+kernel must draw the reference's token on every row, or one the float64 CDF shows to be a tie at a CDF boundary
+(its "max abs err" is the share of rows whose token differs from the reference's). Decode is reported as GB/s of
+KV read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash backend and
+torch.nn.attention.varlen.varlen_attn when the installed torch has it; sampling as GB/s of logits read once,
+against the torch path it replaced (softmax + cumsum + searchsorted). ``--tiny`` shrinks every shape so
 the script itself can be smoke-tested on a CPU under TRITON_INTERPRET=1 (its timings then mean nothing).
 """
 
@@ -34,13 +37,14 @@ class ModelShape:
     head_dim: int
     hidden: int
     intermediate: int
+    vocab: int
 
 
 MODELS = {
-    "llama3-8b": ModelShape(32, 8, 128, 4096, 14336),
-    "smollm2-135m": ModelShape(9, 3, 64, 576, 1536),
+    "llama3-8b": ModelShape(32, 8, 128, 4096, 14336, 128256),
+    "smollm2-135m": ModelShape(9, 3, 64, 576, 1536, 49152),
 }
-TINY_MODELS = {"tiny-gqa4": ModelShape(4, 1, 64, 128, 192), "tiny-gqa3": ModelShape(3, 1, 64, 96, 160)}
+TINY_MODELS = {"tiny-gqa4": ModelShape(4, 1, 64, 128, 192, 1000), "tiny-gqa3": ModelShape(3, 1, 64, 96, 160, 5003)}
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}  # atol, rtol against the fp32 reference
 
 
@@ -294,6 +298,44 @@ def check_quant(case: str, dt: str, x: torch.Tensor, res: torch.Tensor, w: torch
     return rows
 
 
+SAMPLING_TIE_RTOL = 1e-5  # fp32 prefix sums over 128k columns drift ~1e-6 of the total; a wrong token is off by more
+
+
+def _sampling_inputs(B: int, V: int, dtype: torch.dtype, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits as the sampler sees them: flat to peaked rows, a quarter of them top-k 50 (the rest -inf); from 4
+    rows on, a one-hot row and u at both extremes."""
+    logits = torch.randn(B, V, device=dev) * torch.linspace(0.5, 6.0, B, device=dev).unsqueeze(1)
+    kth = logits.topk(min(50, V), dim=-1).values[:, -1:]
+    topk = torch.arange(B, device=dev).unsqueeze(1) % 4 == 1
+    logits = logits.masked_fill(topk & (logits < kth), float("-inf"))
+    u = torch.rand(B, device=dev)
+    if B >= 4:
+        logits[-1] = float("-inf")
+        logits[-1, V // 3] = 0.0
+        u[0], u[2] = 0.0, 1.0 - 2.0**-24
+    return logits.to(dtype), u
+
+
+def check_sampling(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
+    """sample_from_logits against its reference on the same logits (in dtype, and in float32 as the engine
+    samples): the share of rows whose token differs, all of them CDF-boundary ties and none a masked token. The
+    torch err column is the share of rows where the reference itself differs from a float64 draw."""
+    from vserve.kernels import sampling_ref
+    from vserve.kernels import triton_sampling as tri
+
+    B, rows = (5 if tiny else 256), []
+    for dt in dict.fromkeys((dtype, torch.float32)):
+        logits, u = _sampling_inputs(B, m.vocab, dt, dev)
+        got, ref = tri.sample_from_logits(logits, u), sampling_ref.sample_from_logits_ref(logits, u)
+        exact = sampling_ref.sample_from_logits_ref(logits.double(), u.double())
+        ties = sampling_ref.cdf_boundary_ties(logits, u, got, ref, SAMPLING_TIE_RTOL)
+        ok = bool(ties.all()) and bool(logits.gather(1, got.unsqueeze(1)).isfinite().all())
+        rows.append(CheckRow("sample_from_logits", f"{name} B={B} V={m.vocab}", str(dt).removeprefix("torch."),
+                             float((got != ref).float().mean()), ok, f"ties <= {SAMPLING_TIE_RTOL:.0e}·sum",
+                             float((ref != exact).float().mean())))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- timing
 
 
@@ -407,6 +449,34 @@ def bench_decode(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
     return rows
 
 
+def _torch_sample(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's draw before sample_from_logits (softmax + cumsum + searchsorted), the torch baseline."""
+    cdf = logits.softmax(-1).cumsum(-1)
+    return torch.searchsorted(cdf, ((1.0 - u) * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
+
+
+def bench_sampling(name: str, m: ModelShape, dev: str, tiny: bool, sweep: bool) -> list[BenchRow]:
+    """sample_from_logits against the torch path on float32 logits (the engine's), GB/s of logits read once."""
+    from vserve.kernels import sampling_ref
+    from vserve.kernels import triton_sampling as tri
+
+    rows: list[BenchRow] = []
+    for B in (2,) if tiny else (1, 256):
+        logits, u = _sampling_inputs(B, m.vocab, torch.float32, dev)
+        case, nbytes = f"{name} B={B} V={m.vocab}", logits.numel() * logits.element_size()
+        configs = [{}]
+        if sweep:
+            configs += [dict(block=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+        for cfg in configs:
+            fn = partial(tri.sample_from_logits, logits, u, **cfg)
+            _timed(rows, "sampling", case, f"triton {cfg or '(default)'}", fn, nbytes, "GB/s", dev)
+        _timed(rows, "sampling", case, "torch softmax+cumsum+searchsorted", partial(_torch_sample, logits, u), nbytes,
+               "GB/s", dev)
+        _timed(rows, "sampling", case, "torch reference (+ zero-mass rule)",
+               partial(sampling_ref.sample_from_logits_ref, logits, u), nbytes, "GB/s", dev)
+    return rows
+
+
 def _sdpa_flash(q, k, v, scale, enable_gqa):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -513,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[CheckRow] = []
     for name in names:
         for dtype in dtypes:
-            for fn in (check_attention, check_ops):
+            for fn in (check_attention, check_ops, check_sampling):
                 try:
                     checks += fn(name, table[name], dtype, dev, args.tiny)
                 except Exception as e:
@@ -534,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_prefill(name, table[name], dtype, dev, args.tiny, args.sweep)
         flush(f"## Prefill attention ({dtype}; causal TFLOP/s, 4·d·H per attended pair)\n\n"
               + format_table(BENCH_HEADER, [r.cells(b) for r, b in rows]) + "\n")
+        rows = [r for name in names for r in bench_sampling(name, table[name], dev, args.tiny, args.sweep)]
+        flush("## Sampling (float32 logits; GB/s of logits read once)\n\n"
+              + format_table(BENCH_HEADER, [r.cells() for r in rows]) + "\n")
     return 1 if failed else 0
 
 
