@@ -57,7 +57,7 @@ def _sample_kernel(logits_ptr, u_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
 
 
 def sample_from_logits(logits: torch.Tensor, u: torch.Tensor, *, block: int = 4096,
-                       num_warps: int = 8) -> torch.Tensor:
+                       num_warps: int = 16) -> torch.Tensor:
     """As sample_from_logits_ref: logits [B, V] (masked entries -inf), u [B] uniform in [0, 1) -> tokens [B]
     int64, a new tensor. One program per row, reading `block` columns at a time."""
     B, V = logits.shape
