@@ -5,7 +5,6 @@ against the float32 reference on the same cached values; writes the fastest conf
 
     python benchmarks/decode_sweep.py --out $OUT                    # ~4 min
     python benchmarks/decode_sweep.py --out $OUT --kv-dtypes fp8 --cases 240:400:1400
-    python benchmarks/decode_sweep.py --out $OUT --kv-dtypes fp8,fp8_dcontig,bf16 --grid vt  # the V layouts
 """
 
 from __future__ import annotations
@@ -20,13 +19,10 @@ from pathlib import Path
 import torch
 
 from vserve.kernels import triton_attention as tri
-from vserve.kernels.gpu_check import _paged, _v_layout, time_ms
+from vserve.kernels.gpu_check import _paged, time_ms
 from vserve.kernels.paged_attention import paged_decode_attention_ref
 
-# name: (cache dtype, V tokens-contiguous: a view of a [num_blocks, kvh, d, block_size] buffer, as the engine
-# stores an fp8 V on a GPU)
-KV_DTYPES = {"bf16": (torch.bfloat16, False), "fp8": (torch.float8_e4m3fn, True),
-             "fp8_dcontig": (torch.float8_e4m3fn, False), "bf16_vt": (torch.bfloat16, True)}
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def grid() -> list[dict]:
@@ -42,12 +38,6 @@ def grid() -> list[dict]:
 SMALL_GRID = [dict(partition_size=2048, block_n=n, num_warps=4, num_stages=s, maxnreg=r)
               for n, s, r in ((128, 2, None), (128, 1, None), (128, 1, 128), (64, 2, None), (64, 2, 128),
                               (64, 2, 96), (64, 5, 128), (64, 1, 128), (32, 2, 96))]
-# tokens-contiguous V: its candidates (sm_90a, fp8: 127 registers / 40 KB at 128-token tiles, 96 / 22 KB at 64)
-VT_GRID = [dict(partition_size=p, block_n=n, num_warps=w, num_stages=s, bt_prefetch=bt)
-           for p, n, w, s, bt in ((2048, 128, 4, 2, False), (2048, 128, 4, 3, False), (2048, 128, 4, 5, False),
-                                  (2048, 128, 4, 2, True), (2048, 128, 4, 3, True), (2048, 128, 4, 4, True),
-                                  (1024, 128, 4, 3, True), (512, 128, 4, 3, True), (2048, 64, 4, 3, True),
-                                  (2048, 64, 4, 5, False), (2048, 256, 4, 2, False), (2048, 256, 8, 2, False))]
 
 
 def main() -> None:
@@ -56,7 +46,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-dtypes", default="bf16,fp8")
-    ap.add_argument("--grid", choices=("full", "small", "vt"), default="full")
+    ap.add_argument("--grid", choices=("full", "small"), default="full")
     ap.add_argument("--cases", default="240:400:1400,64:900:1800", help="B:lo:hi, comma-separated")
     args = ap.parse_args()
     H, kvh, d, dtype = 32, 8, 128, torch.bfloat16  # the Llama-3-8B shape
@@ -72,12 +62,11 @@ def main() -> None:
         full[:, :bt.shape[1]] = bt
         q = torch.randn(B, H, d, dtype=dtype, device="cuda")
         for name in args.kv_dtypes.split(","):
-            kv_dtype, vt = KV_DTYPES[name]
-            kc, vc = k_cache.to(kv_dtype), _v_layout(v_cache.to(kv_dtype), vt)
+            kc, vc = k_cache.to(KV_DTYPES[name]), v_cache.to(KV_DTYPES[name])
             ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, ctx_lens, d**-0.5)
             nbytes = 2 * sum(ctx) * kvh * d * kc.element_size()
             key = f"{name} B={B} U[{lo},{hi}]"
-            for cfg in [{}] + {"full": grid, "small": lambda: SMALL_GRID, "vt": lambda: VT_GRID}[args.grid]():
+            for cfg in [{}] + (grid() if args.grid == "full" else SMALL_GRID):
                 try:
                     out = torch.full_like(q, float("nan"))
                     fn = partial(tri.paged_decode_attention, q, kc, vc, full, ctx_lens, d**-0.5, out=out, **cfg)

@@ -253,7 +253,7 @@ def section_bs1(res: dict, base: dict) -> None:
                                                              enforce_eager=False))
 
 
-def _run_256(base: dict, q: str, kv: str = "auto", decode: dict | None = None, block_size: int = 16) -> dict:
+def _run_256(base: dict, q: str, kv: str = "auto", decode: dict | None = None) -> dict:
     """One run of the throughput workload (256 requests, prompts U[100, 1024] of random tokens, outputs U[100, 1024],
     ignore_eos) with weights q over a kv cache, decode attention launched with the overrides `decode` (None: the
     defaults)."""
@@ -263,7 +263,7 @@ def _run_256(base: dict, q: str, kv: str = "auto", decode: dict | None = None, b
     decode_config(decode)
     try:
         return _drop_plan(run_vserve(_model_cfg(base, q), p, o, max_num_seqs=256, enforce_eager=False,
-                                     kv_cache_dtype=kv, block_size=block_size))
+                                     kv_cache_dtype=kv))
     finally:
         decode_config(None)
 
@@ -493,50 +493,6 @@ def section_throughput_attn(res: dict, base: dict, sweep: Path) -> None:
             print(f"{q} kv {kv} decode {label} {c}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
-def section_throughput_vlayout(res: dict, base: dict, sweep: Path) -> None:
-    """256 requests, bf16 once, then FP8 W8A8 + fp8 KV with the engine's V cache head-dim-contiguous and
-    tokens-contiguous, each with its default decode launch and the fastest one of benchmarks/decode_sweep.py's
-    B=240 case for that layout (--kv-dtypes fp8,fp8_dcontig: its JSON)."""
-    from vserve.core import model_runner
-
-    best = json.loads(sweep.read_text())["best"]
-    res["throughput_256_u100_1024_bf16_kv_auto"] = r = _run_256(base, "bf16")
-    print(f"bf16: {r['output_tok_s']:.1f} tok/s", flush=True)
-    orig = model_runner.FP8_V_TOKENS_CONTIG
-    try:
-        for key, vt in (("fp8_dcontig", False), ("fp8", True)):
-            model_runner.FP8_V_TOKENS_CONTIG = vt
-            cfg = next((v["cfg"] for k, v in best.items() if k.startswith(f"{key} B=240")), "default")
-            for label, c in (("default", None), ("tuned", cfg if cfg != "default" else None)):
-                if label == "tuned" and c is None:
-                    continue
-                r = _run_256(base, "fp8", "fp8", c)
-                res[f"throughput_256_u100_1024_fp8_kv_fp8_v_{'tokens' if vt else 'dim'}_contig_{label}"] = \
-                    dict(r, decode_cfg=c)
-                print(f"fp8 kv fp8 V tokens-contig {vt} decode {label} {c}: {r['output_tok_s']:.1f} tok/s", flush=True)
-    finally:
-        model_runner.FP8_V_TOKENS_CONTIG = orig
-
-
-def section_throughput_block(res: dict, base: dict) -> None:
-    """256 requests at KV block sizes 16 and 32: bf16, FP8 W8A8 + fp8 KV with V head-dim-contiguous (the default)
-    and tokens-contiguous, the latter also with 3 stages and the block-table prefetch (decode_sweep.py's best)."""
-    from vserve.core import model_runner
-
-    orig = model_runner.FP8_V_TOKENS_CONTIG
-    runs = [("bf16", "auto", False, None, 16), ("bf16", "auto", False, None, 32), ("fp8", "fp8", False, None, 16),
-            ("fp8", "fp8", True, None, 32),
-            ("fp8", "fp8", True, dict(partition_size=2048, num_stages=3, bt_prefetch=True), 32)]
-    try:
-        for q, kv, vt, dec, bs in runs:
-            model_runner.FP8_V_TOKENS_CONTIG = vt
-            key = f"throughput_256_u100_1024_{q}_kv_{kv}_bs{bs}" + ("_vt" if vt else "") + ("_tuned" if dec else "")
-            res[key] = r = dict(_run_256(base, q, kv, dec, block_size=bs), decode_cfg=dec)
-            print(f"{key}: {r['output_tok_s']:.1f} tok/s", flush=True)
-    finally:
-        model_runner.FP8_V_TOKENS_CONTIG = orig
-
-
 def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv: str, n: int, in_len, out_len,
                     first: int, steps: int = 10) -> None:
     """Kernel time by name over `steps` engine steps from step `first` (CUDA activity only, CUDA graphs replay as
@@ -605,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
-                         "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn, throughput_vlayout "
-                         "(both after decode_sweep.py), profile_fp8_256, ...")
+                         "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn (after decode_sweep.py), "
+                         "profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -652,10 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
-                    "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json"),
-                    "throughput_vlayout": lambda r: section_throughput_vlayout(r, LLAMA3_8B,
-                                                                               out / "decode_sweep.json"),
-                    "throughput_block": lambda r: section_throughput_block(r, LLAMA3_8B)}
+                    "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json")}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "capability": torch.cuda.get_device_capability()}

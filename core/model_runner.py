@@ -44,9 +44,6 @@ class StepInputs:
     pending_src: torch.Tensor | None = None
 
 
-FP8_V_TOKENS_CONTIG = False  # measured slower end to end on an H200 (docs/performance.md, session 16)
-
-
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """--kv-cache-dtype: auto keeps the model's dtype; fp8 / fp8_e4m3 store float8 e4m3fn (on CUDA, GPUs of
     compute capability >= 8.9, where Triton converts e4m3)."""
@@ -83,20 +80,11 @@ class ModelRunner:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        """K and V [num_blocks, block_size, kv heads, head dim] each, zeroed. With FP8_V_TOKENS_CONTIG an fp8 V on
-        a GPU is a view of a [num_blocks, kv heads, head dim, block_size] buffer (tokens contiguous, the order of
-        the attention's second dot operand); its values and indexing are the same."""
         self.kv_caches = []
-        v_tokens_contig = FP8_V_TOKENS_CONTIG and self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda"
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)  # this TP rank's KV heads
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            if v_tokens_contig:
-                buf = torch.zeros((num_blocks, attn.num_kv_heads, attn.head_dim, self.block_size),
-                                  dtype=self.kv_dtype, device=self.device)
-                attn.v_cache = buf.permute(0, 3, 1, 2)
-            else:
-                attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------

@@ -127,11 +127,6 @@ def _paged(ctx: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype, dev: s
     return k_cache, v_cache, bt, torch.tensor(ctx, dtype=torch.int32, device=dev)
 
 
-def _v_layout(cache: torch.Tensor, tokens_contig: bool) -> torch.Tensor:
-    """The same values as a view of a [num_blocks, kvh, d, block_size] buffer (the fp8 V the GPU path stores)."""
-    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if tokens_contig else cache
-
-
 def _cu(qlens: list[int], dev: str) -> torch.Tensor:
     return torch.tensor([0] + [sum(qlens[:i + 1]) for i in range(len(qlens))], dtype=torch.int32, device=dev)
 
@@ -209,31 +204,28 @@ def _check_fp8_cache(case, k, v, slots, q_prefill, cu, ctx_prefill, bt_prefill, 
 
     f8, name = torch.float8_e4m3fn, str(dtype).removeprefix("torch.") + ", fp8 KV"
     bs = 16
-    rows = []
-    for vt in (False, True):  # V as stored on GPUs (tokens contiguous) and head-dim contiguous
-        tag = ", V tokens-contig" if vt else ""
-        kc = torch.zeros(-(-k.shape[0] // bs) * 2, bs, kvh, d, dtype=f8, device=dev)
-        vc, k_ref, v_ref = _v_layout(kc.clone(), vt), kc.clone(), kc.clone()
-        tri.store_kvcache(k * 50, v, kc, vc, slots)  # * 50: values beyond 448 saturate
-        ref.store_kvcache_ref(k * 50, v, k_ref, v_ref, slots)
-        exact = torch.equal(kc.view(torch.uint8), k_ref.view(torch.uint8)) and \
-            torch.equal(vc.view(torch.uint8), v_ref.view(torch.uint8))
-        rows.append(CheckRow("store_kvcache", case + f" T={k.shape[0]}{tag}", name, 0.0 if exact else float("nan"),
-                             exact, "exact bytes"))
-        k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
-        k8, v8 = k_cache.to(f8), _v_layout(v_cache.to(f8), vt)
-        q = torch.randn(B, H, d, dtype=dtype, device=dev)
-        out = tri.paged_decode_attention(q, k8, v8, bt, ctx_lens, scale)
-        r32 = ref.paged_decode_attention_ref(q.float(), k8, v8, bt, ctx_lens, scale)
-        rlow = ref.paged_decode_attention_ref(q, k8, v8, bt, ctx_lens, scale)
-        rows.append(_attn_row("decode", case + f" B={B}, fp8 KV{tag}", dtype, out, r32, rlow))
-        k_cache, v_cache = (torch.randn(bt_prefill.max().item() + 1, bs, kvh, d, dtype=dtype, device=dev)
-                            for _ in range(2))
-        k8, v8 = k_cache.to(f8), _v_layout(v_cache.to(f8), vt)
-        out = tri.paged_prefill_attention(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
-        r32 = ref.paged_prefill_attention_ref(q_prefill.float(), k8, v8, cu, ctx_prefill, bt_prefill, scale)
-        rlow = ref.paged_prefill_attention_ref(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
-        rows.append(_attn_row("prefill", case + f" T={int(cu[-1])}, fp8 KV{tag}", dtype, out, r32, rlow))
+    kc = torch.zeros(-(-k.shape[0] // bs) * 2, bs, kvh, d, dtype=f8, device=dev)
+    vc, k_ref, v_ref = kc.clone(), kc.clone(), kc.clone()
+    tri.store_kvcache(k * 50, v, kc, vc, slots)  # * 50: values beyond 448 saturate
+    ref.store_kvcache_ref(k * 50, v, k_ref, v_ref, slots)
+    exact = torch.equal(kc.view(torch.uint8), k_ref.view(torch.uint8)) and \
+        torch.equal(vc.view(torch.uint8), v_ref.view(torch.uint8))
+    rows = [CheckRow("store_kvcache", case + f" T={k.shape[0]}", name, 0.0 if exact else float("nan"), exact,
+                     "exact bytes")]
+    k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
+    k8, v8 = k_cache.to(f8), v_cache.to(f8)
+    q = torch.randn(B, H, d, dtype=dtype, device=dev)
+    out = tri.paged_decode_attention(q, k8, v8, bt, ctx_lens, scale)
+    r32 = ref.paged_decode_attention_ref(q.float(), k8, v8, bt, ctx_lens, scale)
+    rlow = ref.paged_decode_attention_ref(q, k8, v8, bt, ctx_lens, scale)
+    rows.append(_attn_row("decode", case + f" B={B}, fp8 KV", dtype, out, r32, rlow))
+    k_cache, v_cache = (torch.randn(bt_prefill.max().item() + 1, bs, kvh, d, dtype=dtype, device=dev)
+                        for _ in range(2))
+    k8, v8 = k_cache.to(f8), v_cache.to(f8)
+    out = tri.paged_prefill_attention(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    r32 = ref.paged_prefill_attention_ref(q_prefill.float(), k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    rlow = ref.paged_prefill_attention_ref(q_prefill, k8, v8, cu, ctx_prefill, bt_prefill, scale)
+    rows.append(_attn_row("prefill", case + f" T={int(cu[-1])}, fp8 KV", dtype, out, r32, rlow))
     return rows
 
 

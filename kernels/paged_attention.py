@@ -1,7 +1,6 @@
 """Paged attention: pure-torch references (the CPU path and the oracle for the Triton kernels).
 
-Layouts: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] (V may be a permuted view of a
-[num_blocks, num_kv_heads, head_dim, block_size] buffer, as the GPU path stores an fp8 V); a token's slot is
+Layouts: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 block_id * block_size + offset; block_tables [batch, max_blocks] (padding entries are ignored);
 context_lens [batch] counts every token a sequence attends to (cached prefix + this step's tokens).
 The cache is in the model's dtype or float8 e4m3fn (`--kv-cache-dtype fp8`), read back in the queries' dtype.
@@ -27,11 +26,7 @@ def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
             x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)  # torch's cast alone turns |x| > 464 into NaN
         if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: copy the bytes
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        if cache.is_contiguous():
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
-        else:  # a V cache with its tokens contiguous (a permuted view)
-            bs = cache.shape[1]
-            cache[slot_mapping // bs, slot_mapping % bs] = x
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -55,8 +50,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bs = k_cache.shape[1]
     nb = -(-max_len // bs)
     bt = block_tables[:, :nb].flatten()  # index_select: ~2x faster than advanced indexing on CPU
-    k = _upcast(k_cache.index_select(0, bt).reshape(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
-    v = _upcast(v_cache.index_select(0, bt).reshape(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
+    k = _upcast(k_cache.index_select(0, bt).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
+    v = _upcast(v_cache.index_select(0, bt).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=k.shape[1] != H)

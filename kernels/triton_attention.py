@@ -3,10 +3,8 @@
 Each public function has the signature and semantics of its reference in kernels/paged_attention.py, plus
 keyword-only launch overrides (for benchmarking) and ``out=`` (a buffer to write the result into). No call
 syncs with the host: grids depend only on tensor shapes (block_tables' width, the number of query rows and
-sequences), so the calls can be captured in CUDA graphs. Cache shape [num_blocks, block_size, kvh, d], the head
-dim contiguous for K; V may also be a view of a [num_blocks, kvh, d, block_size] buffer (tokens contiguous, as
-vLLM's v0 V cache), which lets an fp8 V tile feed the dot without a transpose; any power-of-two block size; head
-dims that are not powers of two are padded with masks.
+sequences), so the calls can be captured in CUDA graphs. Cache layout [num_blocks, block_size, kvh, d];
+any power-of-two block size; head dims that are not powers of two are padded with masks.
 """
 
 from __future__ import annotations
@@ -22,22 +20,10 @@ _LOG2E = 1.4426950408889634
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4, (k_cache.shape, v_cache.shape)
-    assert k_cache.stride(-1) == 1, k_cache.stride()
-    assert v_cache.stride(-1) == 1 or v_cache.stride(1) == 1, v_cache.stride()  # head dim or tokens contiguous
+    for c in (k_cache, v_cache):
+        # a token's slot is block_id * block_size + offset, so the tokens of a block must be evenly strided
+        assert c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1), c.stride()
     assert k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, f"block size must be a power of two, got {k_cache.shape[1]}"
-
-
-def _v_run(v_cache: torch.Tensor, block_n: int) -> int:
-    """For a tokens-contiguous V cache, the length of the contiguous runs of a KV tile (a block, or the tile if it
-    is shorter): the kernels read V in vectors along the tokens; 0 for a head-dim-contiguous V."""
-    return min(v_cache.shape[1], block_n) if v_cache.stride(-1) != 1 and v_cache.shape[1] > 1 else 0
-
-
-def _v_hw_cvt(q: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Convert an fp8 V tile in registers (_e4m3_to_f16) before its layout change: for a cache whose head dim is
-    contiguous (a tokens-contiguous V tile is already the dot operand's order, and a plain cast is cheaper)."""
-    return (v_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32 and not _interpreted()
-            and v_cache.stride(-1) == 1)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -73,12 +59,10 @@ def _load_kv(ptrs, mask, dtype, HW_CVT: tl.constexpr = False):
 
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_vcd, KVH, D,
-                          BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_kct, stride_kch, stride_vct, stride_vch, KVH, D, FP8: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < KVH) & (d < D) & (slot >= 0)  # slot -1 marks a padding token
@@ -86,10 +70,8 @@ def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, str
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     if FP8:  # an fp8 e4m3 cache: round to its grid (saturating), as the reference's clamp + cast
         k, v = round_to_e4m3(k.to(tl.float32)), round_to_e4m3(v.to(tl.float32))
-    tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + h * stride_kch + d, k.to(kc_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + h * stride_vch + d * stride_vcd,
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + slot * stride_kct + h * stride_kch + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * stride_vct + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -101,9 +83,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         return
     k, v = _unit_last(k), _unit_last(v)
     _store_kvcache_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping.contiguous(), k.stride(0), k.stride(1),
-                                v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), kvh, d,
-                                BLOCK_SIZE=k_cache.shape[1], FP8=k_cache.dtype == torch.float8_e4m3fn,
+                                v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+                                v_cache.stride(2), kvh, d, FP8=k_cache.dtype == torch.float8_e4m3fn,
                                 BLOCK_H=triton.next_power_of_2(kvh),
                                 BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
 
@@ -116,11 +97,11 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 @triton.jit(do_not_specialize=["stride_btb", "NUM_SPLITS"])
 def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, qk_scale,
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                             stride_vd, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
+                             stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
                              SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
-                             V_HW_CVT: tl.constexpr, V_RUN: tl.constexpr, BT_PREFETCH: tl.constexpr = False):
+                             V_HW_CVT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot."""
     b = tl.program_id(0).to(tl.int64)
@@ -146,17 +127,10 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    if BT_PREFETCH:  # the block ids of the next tile are loaded one iteration ahead
-        blk_next = tl.load(bt_row + (start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
-                           mask=start + tl.arange(0, BLOCK_N) < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
-        if BT_PREFETCH:
-            blk = blk_next.to(tl.int64)
-            blk_next = tl.load(bt_row + (offs + BLOCK_N) // BLOCK_SIZE, mask=offs + BLOCK_N < end, other=0)
-        else:
-            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         tok = offs % BLOCK_SIZE
         k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
         kt = _load_kv(kc_ptr + k_off[None, :] + d[:, None], nmask[None, :] & dmask[:, None], q.dtype)
@@ -167,15 +141,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-        v_off = v_off[:, None] + d[None, :] * stride_vd
-        vmask = nmask[:, None] & dmask[None, :]
-        if V_RUN > 0:
-            # Runs of BLOCK_SIZE tokens, each run one block (Triton cannot see this through the loaded blk), read
-            # whole: the tokens of the last block past the context are read too (finite: the cache starts zeroed
-            # and an fp8 store saturates) and get p = 0.
-            v_off = tl.max_contiguous(tl.multiple_of(v_off, [V_RUN, 1]), [V_RUN, 1])
-            vmask = ((offs // BLOCK_SIZE * BLOCK_SIZE) < end)[:, None] & dmask[None, :]
-        v = _load_kv(vc_ptr + v_off, vmask, q.dtype, V_HW_CVT)
+        v = _load_kv(vc_ptr + v_off[:, None] + d[None, :], nmask[:, None] & dmask[None, :], q.dtype, V_HW_CVT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -224,7 +190,7 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None, maxnreg: int | None = None, bt_prefetch: bool = False,
+                           num_stages: int | None = None, maxnreg: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens -> [B, H, d].
 
@@ -265,13 +231,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
-        H, num_splits,
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), H, num_splits,
         D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
-        F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=_v_hw_cvt(q, v_cache),
-        V_RUN=_v_run(v_cache, block_n), BT_PREFETCH=bt_prefetch, num_warps=num_warps, num_stages=num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
+        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not single:
         splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
@@ -299,9 +263,8 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d, dmask, stride_kb,
-                  stride_kt, stride_vb, stride_vt, stride_vd, kv_head_k, kv_head_v, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_HW_CVT: tl.constexpr,
-                  V_RUN: tl.constexpr):
+                  stride_kt, stride_vb, stride_vt, kv_head_k, kv_head_v, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One KV tile of the online softmax; MASKED applies the causal mask and the context end."""
     offs = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -322,23 +285,18 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_off = (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :] * stride_vd
-    if V_RUN > 0:  # whole blocks, as in the decode kernel
-        v_off = tl.max_contiguous(tl.multiple_of(v_off, [V_RUN, 1]), [V_RUN, 1])
-        if MASKED:
-            vmask = ((offs // BLOCK_SIZE * BLOCK_SIZE) < kv_end)[:, None] & dmask[None, :]
-    v = _load_kv(vc_ptr + v_off, vmask, q.dtype, V_HW_CVT)
+    v = _load_kv(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], vmask, q.dtype,
+                 V_HW_CVT)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["cu_ptr", "ctx_ptr", "bt_ptr", "stride_btb", "num_seqs"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_scale, stride_qt, stride_qh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_btb, stride_ot,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ot,
                     stride_oh, num_seqs, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr,
-                    V_RUN: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (query tile, kv head): BLOCK_M rows = BLOCK_Q query tokens x the GROUP query heads of the kv head (so
     each KV tile is read once per group), flash-attention over the sequence's cached tokens up to each row's
     position. Tiles wholly below the first row's position skip the causal mask."""
@@ -372,14 +330,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles every row of this tile sees whole
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
-                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_HW_CVT,
-                                          V_RUN)
+                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
+                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_HW_CVT)
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
-                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_HW_CVT,
-                                          V_RUN)
+                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
+                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_HW_CVT)
         o = acc / l_i[:, None]  # every row sees position 0, so l_i > 0
         tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -427,10 +383,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[(T // block_q + num_seqs, kvh)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, scale * _LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), v_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs, D=d,
-        GROUP=group, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), DOT_PRECISION=_dot_precision(q.dtype),
-        F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=_v_hw_cvt(q, v_cache),
-        V_RUN=_v_run(v_cache, block_n), num_warps=num_warps, **extra)
+        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs, D=d, GROUP=group,
+        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
+        V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps, **extra)
     return out
 

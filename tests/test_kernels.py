@@ -8,7 +8,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vserve.kernels import ops_ref, triton_attention, triton_ops  # noqa: E402
-from vserve.kernels.gpu_check import _v_layout  # noqa: E402
 from vserve.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -50,9 +49,6 @@ def _paged_cache(ctx_lens: list[int], bs: int, kvh: int, d: int, dtype: torch.dt
     return k_cache, v_cache, block_tables, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
 
 
-V_LAYOUTS = pytest.mark.parametrize("v_tokens_contig", [False, True], ids=["v_head_dim_contig", "v_tokens_contig"])
-
-
 def _f32(*ts):
     return [t.float() for t in ts]
 
@@ -60,10 +56,9 @@ def _f32(*ts):
 # ---------------------------------------------------------------------------------------------------- store
 
 
-@V_LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bs,kvh,d", [(16, 2, 64), (64, 3, 80)])
-def test_store_kvcache_writes_slots_and_skips_padding(seed, dtype, bs, kvh, d, v_tokens_contig):
+def test_store_kvcache_writes_slots_and_skips_padding(seed, dtype, bs, kvh, d):
     T, num_blocks = 37, 4
     slots = torch.randperm(num_blocks * bs, device=DEVICE)[:T]
     slots[torch.rand(T, device=DEVICE) < 0.3] = -1
@@ -71,19 +66,16 @@ def test_store_kvcache_writes_slots_and_skips_padding(seed, dtype, bs, kvh, d, v
     # k/v as views of a packed qkv projection: the token stride is not kvh * d
     qkv = torch.randn(T, 2 * kvh + 2, d, dtype=dtype, device=DEVICE)
     k, v = qkv[:, 2:2 + kvh], qkv[:, 2 + kvh:]
-    k_cache = _poisoned((num_blocks, bs, kvh, d), dtype)
-    v_cache = _v_layout(_poisoned((num_blocks, bs, kvh, d), dtype), v_tokens_contig)
+    k_cache, v_cache = _poisoned((num_blocks, bs, kvh, d), dtype), _poisoned((num_blocks, bs, kvh, d), dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
     store_kvcache_ref(k, v, k_ref, v_ref, slots)
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0, msg=lambda m: f"{m}\nseed={seed}")
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0, msg=lambda m: f"{m}\nseed={seed}")
-    for c in (k_cache, v_cache):
-        assert int(c.flatten(0, 1).isnan().all(-1).all(-1).sum()) == num_blocks * bs - int((slots >= 0).sum())
+    assert int(k_cache.flatten(0, 1).isnan().all(-1).all(-1).sum()) == num_blocks * bs - int((slots >= 0).sum())
 
 
-@V_LAYOUTS
-def test_store_kvcache_into_an_fp8_cache_rounds_as_the_reference(seed, v_tokens_contig):
+def test_store_kvcache_into_an_fp8_cache_rounds_as_the_reference(seed):
     """--kv-cache-dtype fp8: every value on the e4m3 grid exactly as torch rounds it (ties, tiny and huge
     values: saturated at +-448 where torch's own cast gives NaN); padding slots stay untouched."""
     T, bs, kvh, d, num_blocks = 40, 16, 2, 64, 4
@@ -93,7 +85,7 @@ def test_store_kvcache_into_an_fp8_cache_rounds_as_the_reference(seed, v_tokens_
     v = torch.randn(T, kvh, d, device=DEVICE, dtype=torch.float16)
     k[1, 0, :4] = torch.tensor([1000.0, -600.0, 1.9375, 2.0**-12])
     k_cache = torch.zeros(num_blocks, bs, kvh, d, dtype=torch.float8_e4m3fn, device=DEVICE)
-    v_cache = _v_layout(torch.zeros_like(k_cache), v_tokens_contig)
+    v_cache = torch.zeros_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
     store_kvcache_ref(k, v, k_ref, v_ref, slots)
@@ -107,16 +99,13 @@ def _fp8_cache(*caches):
     return [c.clamp(-448, 448).to(torch.float8_e4m3fn) for c in caches]
 
 
-@V_LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_over_an_fp8_cache_matches_reference(seed, dtype, v_tokens_contig):
-    """Decode and prefill read an fp8 e4m3 cache, upcast to the queries' dtype, as the references do; V with its
-    head dim or its tokens contiguous."""
+def test_attention_over_an_fp8_cache_matches_reference(seed, dtype):
+    """Decode and prefill read an fp8 e4m3 cache, upcast to the queries' dtype, as the references do."""
     bs, kvh, group, d = 16, 2, 4, 80  # head dim 80: padded lanes are masked, not read as fp8 garbage
     ctx = [1, 17, int(torch.randint(100, 301, ()))]
     k_cache, v_cache, bt, ctx_lens = _paged_cache(ctx, bs, kvh, d, torch.float32)
     k8, v8 = _fp8_cache(k_cache * 4, v_cache)
-    v8 = _v_layout(v8, v_tokens_contig)
     q = torch.randn(len(ctx), kvh * group, d, dtype=dtype, device=DEVICE)
     out = triton_attention.paged_decode_attention(q, k8, v8, bt, ctx_lens, d**-0.5, partition_size=128,
                                                   out=_poisoned(q.shape, dtype))
@@ -124,7 +113,6 @@ def test_attention_over_an_fp8_cache_matches_reference(seed, dtype, v_tokens_con
     seqs = [(37, 37), (200, 5), (130, 64)]
     k_cache, v_cache, bt, ctx_lens = _paged_cache([c for c, _ in seqs], bs, kvh, d, torch.float32)
     k8, v8 = _fp8_cache(k_cache, v_cache)
-    v8 = _v_layout(v8, v_tokens_contig)
     cu = torch.tensor([0, 37, 42, 106], dtype=torch.int32, device=DEVICE)
     q = torch.randn(106, kvh * group, d, dtype=dtype, device=DEVICE)
     out = triton_attention.paged_prefill_attention(q, k8, v8, cu, ctx_lens, bt, d**-0.5, block_m=32, block_n=32,
@@ -181,32 +169,6 @@ def test_decode_row_with_empty_context_gives_zeros(seed, partition):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     _close(out[:1], paged_decode_attention_ref(q[:1], k_cache, v_cache, bt[:1], ctx_lens[:1], 0.125),
            torch.float32, seed)
-
-
-@pytest.mark.parametrize("bs,dtype,block_n", [(16, torch.float16, None), (64, torch.float32, 16),
-                                              (32, torch.float16, 64)])
-def test_attention_over_a_tokens_contiguous_v_matches_reference(seed, bs, dtype, block_n):
-    """V as a view of a [num_blocks, kvh, d, block_size] buffer (as the GPU path stores an fp8 V): the kernels read
-    it in runs of whole blocks (or of the tile, when the block is longer); the tokens past the context in the
-    last block are read but weigh nothing."""
-    kvh, group, d = 2, 4, 64
-    ctx = [1, 17, int(torch.randint(100, 301, ()))]
-    ctx[2] += ctx[2] % bs == 0
-    k_cache, v_cache, bt, ctx_lens = _paged_cache(ctx, bs, kvh, d, dtype)
-    v_t = _v_layout(v_cache, True)
-    q = torch.randn(len(ctx), kvh * group, d, dtype=dtype, device=DEVICE)
-    kw = {} if block_n is None else dict(block_n=block_n)
-    out = triton_attention.paged_decode_attention(q, k_cache, v_t, bt, ctx_lens, d**-0.5, partition_size=128,
-                                                  out=_poisoned(q.shape, dtype), **kw)
-    _close(out, paged_decode_attention_ref(*_f32(q, k_cache, v_cache), bt, ctx_lens, d**-0.5), dtype, seed)
-    seqs = [(37, 37), (200, 5), (130, 64), (20, 1)]
-    k_cache, v_cache, bt, ctx_lens = _paged_cache([c for c, _ in seqs], bs, kvh, d, dtype)
-    cu = torch.tensor([0, 37, 42, 106, 107], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(107, kvh * group, d, dtype=dtype, device=DEVICE)
-    out = triton_attention.paged_prefill_attention(q, k_cache, _v_layout(v_cache, True), cu, ctx_lens, bt,
-                                                   d**-0.5, block_m=32, block_n=block_n or 32,
-                                                   out=_poisoned(q.shape, dtype))
-    _close(out, paged_prefill_attention_ref(*_f32(q, k_cache, v_cache), cu, ctx_lens, bt, d**-0.5), dtype, seed)
 
 
 # ---------------------------------------------------------------------------------------------------- prefill
