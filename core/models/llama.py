@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), md)
+        o = self.attn(q, k, v, md)  # v: a view of qkv; the KV store takes its strides
         return self.o_proj(o.reshape(T, self.h * self.d))
 
 
