@@ -522,6 +522,77 @@ def section_profile(res: dict, out: Path, base: dict, label: str, quant: str, kv
     free_gpu()
 
 
+def section_profile_run(res: dict, base: dict, label: str, quant: str, kv: str) -> None:
+    """The whole throughput workload (as _run_256) twice: once with a CUDA event at each step's launch (each step's
+    span on the GPU, from its start to the next step's start, idle gaps included, beside its shape), once under a
+    CUDA-activity profiler (kernel time by name over the whole run). Says where the run's seconds go: prefill
+    against decode steps, kernels against idle."""
+    from h200_engine import free_gpu, model_dir, workload
+    from torch.profiler import ProfilerActivity, profile
+
+    from vserve import LLM, SamplingParams
+
+    p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    llm = LLM(model_dir(_model_cfg(base, quant)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv)
+    llm.generate(p[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    runner = llm.llm_engine.runner
+    orig, steps = runner.launch, []
+
+    def launch(sched, block_ids):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        dec = sum(1 for n in sched.num_scheduled_tokens if n == 1)
+        steps.append((sched.total_tokens, dec, ev, time.perf_counter()))
+        return orig(sched, block_ids)
+
+    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True) for n in o]
+    runner.launch = launch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(p, sps, use_tqdm=False)
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    runner.launch = orig
+    evs = [s[2] for s in steps] + [end]
+    rows = [(t, d, evs[i].elapsed_time(evs[i + 1]), 1e3 * ((steps[i + 1][3] if i + 1 < len(steps) else t0 + wall) -
+                                                          steps[i][3]))
+            for i, (t, d, _, _) in enumerate(steps)]
+    mixed = [r for r in rows if r[0] > r[1]]
+    decode = [r for r in rows if r[0] == r[1]]
+    bins = {}
+    for _t, d, g, h in decode:
+        b = bins.setdefault(min(d // 32 * 32, 256), [0, 0.0, 0.0, 0])
+        b[0] += 1
+        b[1] += g
+        b[2] += h
+        b[3] += d
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t1 = time.perf_counter()
+        llm.generate(p, sps, use_tqdm=False)
+        torch.cuda.synchronize()
+        prof_wall = time.perf_counter() - t1
+    ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    res[f"profile_run_{label}"] = dict(
+        wall_s=wall, steps=len(rows), output_tok_s=sum(o) / wall,
+        mixed_steps=dict(n=len(mixed), gpu_ms=sum(r[2] for r in mixed), host_ms=sum(r[3] for r in mixed),
+                         tokens=sum(r[0] for r in mixed), decode_rows=sum(r[1] for r in mixed)),
+        decode_steps=dict(n=len(decode), gpu_ms=sum(r[2] for r in decode), host_ms=sum(r[3] for r in decode)),
+        decode_by_batch={k: dict(n=v[0], gpu_ms=v[1], host_ms=v[2], mean_batch=v[3] / v[0])
+                         for k, v in sorted(bins.items())},
+        step_rows=rows, profiled_wall_s=prof_wall,
+        kernel_s=sum(e.self_device_time_total for e in ka) / 1e6,
+        kernels=[(e.key[:120], e.self_device_time_total / 1e6, e.count) for e in ka if e.self_device_time_total > 0])
+    print(f"profile_run {label}: {wall:.2f} s wall, {len(mixed)} mixed steps {sum(r[2] for r in mixed) / 1e3:.2f} s, "
+          f"{len(decode)} decode steps {sum(r[2] for r in decode) / 1e3:.2f} s; kernels "
+          f"{res[f'profile_run_{label}']['kernel_s']:.2f} s of {prof_wall:.2f} s profiled", flush=True)
+    del llm, prof
+    free_gpu()
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 
@@ -603,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  (100, 1024), (100, 1024), 150),
                     "profile_bf16_256": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_256", "bf16", "auto", 256,
                                                                   (100, 1024), (100, 1024), 150),
+                    "profile_run": lambda r: (section_profile_run(r, LLAMA3_8B, "bf16", "bf16", "auto"),
+                                              section_profile_run(r, LLAMA3_8B, "fp8", "fp8", "fp8")),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
