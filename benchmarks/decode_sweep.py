@@ -40,13 +40,17 @@ SMALL_GRID = [dict(partition_size=2048, block_n=n, num_warps=4, num_stages=s, ma
                               (64, 2, 96), (64, 5, 128), (64, 1, 128), (32, 2, 96))]
 
 
+# the partials combined by the last partition to finish (the default) or by the reduce kernel, each timed twice
+REDUCE_GRID = [dict(fused_reduce=f) for f in (False, True, False, True)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-dtypes", default="bf16,fp8")
-    ap.add_argument("--grid", choices=("full", "small"), default="full")
+    ap.add_argument("--grid", choices=("full", "small", "reduce"), default="full")
     ap.add_argument("--cases", default="240:400:1400,64:900:1800", help="B:lo:hi, comma-separated")
     args = ap.parse_args()
     H, kvh, d, dtype = 32, 8, 128, torch.bfloat16  # the Llama-3-8B shape
@@ -69,7 +73,7 @@ def main() -> None:
             # untimed first pass: the first launch timed in a case came out 3-6% slower than the same launch
             # timed later in the grid (clocks and caches settling)
             time_ms(partial(tri.paged_decode_attention, q, kc, vc, full, ctx_lens, d**-0.5), "cuda")
-            for cfg in [{}] + (grid() if args.grid == "full" else SMALL_GRID):
+            for cfg in [{}] + {"full": grid, "small": lambda: SMALL_GRID, "reduce": lambda: REDUCE_GRID}[args.grid]():
                 try:
                     out = torch.full_like(q, float("nan"))
                     fn = partial(tri.paged_decode_attention, q, kc, vc, full, ctx_lens, d**-0.5, out=out, **cfg)

@@ -293,6 +293,15 @@ def section_throughput_partition(res: dict, base: dict) -> None:
         print(f"{q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
+def section_throughput_reduce(res: dict, base: dict) -> None:
+    """bf16 and FP8 W8A8 + fp8 KV, each with the decode partials combined by the last partition (the default) and
+    by the reduce kernel (fused_reduce=False), alternated."""
+    for q, kv in (("bf16", "auto"), ("fp8", "fp8")):
+        for label, c in (("fused", None), ("reduce_kernel", dict(fused_reduce=False))):
+            r = res[f"throughput_256_u100_1024_{q}_kv_{kv}_{label}"] = _run_256(base, q, kv, c)
+            print(f"{q} {label}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def _drop_plan(r: dict) -> dict:
     """run_vserve's record without the (bf16-only) roofline and doctor fields, which do not apply here."""
     return {k: v for k, v in r.items() if k not in ("bound_s", "bound_tok_s", "frac_of_bound", "doctor_prediction")}
@@ -681,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
+                    "throughput_reduce": lambda r: section_throughput_reduce(r, LLAMA3_8B),
                     "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json")}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

@@ -178,6 +178,14 @@ def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny
         r32 = ref.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, ctx_lens, scale)
         rlow = ref.paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, scale)
         rows.append(_attn_row("decode", case + f" B={B} ctx<={max_ctx}", dtype, out, r32, rlow))
+        # 4 sequences: 256-token partitions, up to 16 a sequence, combined by the last one to finish or by the
+        # reduce kernel
+        for fused in (True, False):
+            out = tri.paged_decode_attention(q[-4:], k_cache, v_cache, bt[-4:], ctx_lens[-4:], scale,
+                                             fused_reduce=fused)
+            rows.append(_attn_row("decode", case + f" B={min(4, B)} ctx<={max_ctx} " +
+                                  ("fused reduce" if fused else "reduce kernel"),
+                                  dtype, out, r32[-4:], rlow[-4:]))
         del k_cache, v_cache, r32, rlow
 
         # prefill: whole prompts and chunks after a cached prefix, mixed lengths

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _interpreted, round_to_e4m3
+from vserve.kernels.triton_ops import _interpreted, arrival_counts, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
 
@@ -92,18 +92,54 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 # ---------------------------------------------------------------------------------------------------- decode
 
 
+@triton.jit(noinline=True)
+def _combine_if_last(acc_ptr, m_ptr, l_ptr, count, out_ptr, ctx, row0, stride_oh, NUM_SPLITS, D: tl.constexpr,
+                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
+                     SPLITS_P: tl.constexpr):
+    """Count this partition's arrival; the last of the sequence's partitions to arrive combines their partials
+    into the output (out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s) and resets the count. Not inlined, so
+    that the decode loop is compiled as without it."""
+    n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
+    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_valid - 1:
+        g = tl.arange(0, GROUP_P)
+        gmask = g < GROUP
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        base = (row0 + g) * NUM_SPLITS  # rows [sequence, head] of the partials
+        s = tl.arange(0, SPLITS_P)
+        smask = gmask[:, None] & (s < n_valid)[None, :]
+        ms = tl.load(m_ptr + base[:, None] + s[None, :], mask=smask, other=float("-inf"),
+                     cache_modifier=".cg")  # partials read past L1, which other SMs' stores do not reach
+        big_m = tl.max(ms, axis=1)
+        big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
+        den = tl.sum(tl.load(l_ptr + base[:, None] + s[None, :], mask=smask, other=0.0, cache_modifier=".cg")
+                     * tl.exp2(ms - big_m[:, None]), axis=1)
+        num = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+        for i in range(0, n_valid):
+            m_s = tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+            a = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                        other=0.0, cache_modifier=".cg")
+            num += a * tl.exp2(m_s - big_m)[:, None]
+        o = num / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gmask[:, None] & dmask[None, :])
+        tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA-graph replays included)
+
+
 # Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each of "== 1", "divisible by 16", "other" and stall a step on the compile).
 @triton.jit(do_not_specialize=["stride_btb", "NUM_SPLITS"])
-def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, qk_scale,
-                             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                             stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
+def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
+                             qk_scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                             stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                             SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
-                             V_HW_CVT: tl.constexpr):
+                             SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
-    KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot."""
+    KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot. FUSED_REDUCE: the last
+    partition of a (sequence, kv head) to finish (an atomic arrival count) combines the partitions' partials, so
+    no reduce kernel is launched."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,6 +190,11 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         tl.store(m_ptr + row, m_i, mask=gmask)
         tl.store(l_ptr + row, l_i, mask=gmask)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partials are stored before the count
+            _combine_if_last(acc_ptr, m_ptr, l_ptr, count_ptr + b * (H // GROUP) + kvh,
+                             out_ptr + b * stride_ob + kvh * GROUP * stride_oh, ctx, b * H + kvh * GROUP, stride_oh,
+                             NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D, PARTITION, SPLITS_P)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
@@ -190,20 +231,20 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None, maxnreg: int | None = None,
+                           num_stages: int | None = None, maxnreg: int | None = None, fused_reduce: bool = True,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens -> [B, H, d].
 
     Split-KV: the context is cut into partitions of partition_size tokens (a multiple of block_n); the number of
     partitions comes from block_tables' width (no host sync), partitions past a sequence's end return at once, a
-    sequence that fits one partition is finished by its partition's program, and a small reduce kernel combines
-    the partials of the others. A row with context_len 0 gives zeros. Defaults (sweeps on an H200, bf16, mixed
-    context lengths, block tables as wide as the CUDA graphs capture them: benchmarks/decode_sweep.py): 256-token
-    partitions when B * kvh < 64 (more programs for small batches), 512 below 512 programs, 2048 from there (a
-    long partition per program when the batch alone fills the GPU); KV tiles of 64 tokens, 128 for head dims
-    <= 64 or an fp8 cache; 2 pipeline stages. Over an fp8 cache with bf16 queries the dots run in fp16
-    (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster than e4m3 -> bf16), and V is converted in
-    registers before its layout change (_e4m3_to_f16).
+    sequence that fits one partition is finished by its partition's program, and the partials of the others are
+    combined by the last of their partitions to finish (fused_reduce=False: by a second, reduce kernel). A row with
+    context_len 0 gives zeros. Defaults (sweeps on an H200, bf16, mixed context lengths, block tables as wide as the
+    CUDA graphs capture them: benchmarks/decode_sweep.py): 256-token partitions when B * kvh < 64 (more programs
+    for small batches), 512 below 512 programs, 2048 from there (a long partition per program when the batch alone
+    fills the GPU); KV tiles of 64 tokens, 128 for head dims <= 64 or an fp8 cache; 2 pipeline stages. Over an
+    fp8 cache with bf16 queries the dots run in fp16 (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster
+    than e4m3 -> bf16), and V is converted in registers before its layout change (_e4m3_to_f16).
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
@@ -221,23 +262,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     num_splits = max(1, triton.cdiv(block_tables.shape[1] * bs, partition_size))
     single = num_splits == 1
+    counts = None
     if single:
         acc = m = l = out  # unused
     else:
         acc = torch.empty((B, H, num_splits, d), dtype=torch.float32, device=q.device)
         m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
+        counts = arrival_counts(q.device, B * kvh) if fused_reduce else None
     block_d = triton.next_power_of_2(d)
+    splits_p = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), H, num_splits,
-        D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs, BLOCK_N=block_n,
-        BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, DOT_PRECISION=_dot_precision(q.dtype),
-        F16_DOT=q.dtype == torch.bfloat16 and fp8, V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
+        q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
+        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        H, num_splits, D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
+        BLOCK_N=block_n, BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, FUSED_REDUCE=counts is not None,
+        SPLITS_P=splits_p, DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
+        V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    if not single:
-        splits_p = triton.next_power_of_2(num_splits)
+    if not single and counts is None:
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
                                       PARTITION=partition_size, SPLITS_P=splits_p, SPLIT_TILE=min(16, splits_p),
                                       BLOCK_D=block_d, num_warps=4)

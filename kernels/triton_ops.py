@@ -276,6 +276,25 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, qmax, mi
             _store_quant(q_row + k, v, k < K, IS_FP8)
 
 
+_ARRIVALS: dict[str, torch.Tensor] = {}
+ARRIVAL_SLOTS = 1 << 16
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 counts for kernels whose last program to arrive combines the others' partials (an atomic count
+    each; every launch leaves its counts at 0 again, CUDA-graph replays included). One buffer a device, shared by
+    those kernels: launches on one stream run one after another. None when n is more than it holds, or when it
+    would first be allocated inside a CUDA-graph capture: the caller then takes its two-kernel path."""
+    if n > ARRIVAL_SLOTS:
+        return None
+    key = str(device)
+    if key not in _ARRIVALS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _ARRIVALS[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return _ARRIVALS[key]
+
+
 def _interpreted() -> bool:
     """Under TRITON_INTERPRET=1 (CI's CPU path), whose fp8 conversion rounds some values wrongly."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

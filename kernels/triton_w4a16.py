@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vserve.kernels.triton_ops import arrival_counts
+
 DEQUANT_M = 1024  # from this many rows on, dequantize + cuBLAS beats the fused kernel (benchmarks/h200_quant.py)
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
 
@@ -363,12 +365,6 @@ def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> d
     return dict(block_m=bm, block_n=128, block_k=64, split_k=1, num_warps=8 if bm == 128 else 4, num_stages=3)
 
 
-@cache
-def _locks(device: torch.device) -> torch.Tensor:
-    """Per-column-block arrival counts of _awq_gemv_kernel's fixup; each call leaves them at 0."""
-    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
-
-
 def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     """Launch _awq_gemv_kernel: block_n columns (8 per word) per program, block_k rows per warp slice, num_warps
     slices; K split into whole groups, or into whole tiles inside a group."""
@@ -390,11 +386,11 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     split = triton.cdiv(K, kps)
     dev = x.device
     direct = split == 1
-    use_fixup = fixup and not direct and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-                                              and _locks.cache_info().currsize == 0)
-    part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(N // 8, bw), split)
-    _awq_gemv_kernel[grid](x, qw, s, z, part, out, _locks(dev) if use_fixup else part, N, K, group_size, kps,
+    counts = arrival_counts(dev, grid[0]) if fixup and not direct else None  # per column block
+    use_fixup = counts is not None
+    part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
+    _awq_gemv_kernel[grid](x, qw, s, z, part, out, counts if use_fixup else part, N, K, group_size, kps,
                            split, qw.stride(0), s.stride(0), z.stride(0), part.stride(0) if not direct else 0,
                            0x4B000000, DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
                            BLOCK_W=bw, BLOCK_K=bk, WK=wk, num_warps=wk, num_stages=cfg["num_stages"])

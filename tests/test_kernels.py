@@ -150,12 +150,18 @@ def test_decode_attention_matches_reference(seed, bs, kvh, group, d, dtype, part
     _close(out, ref, dtype, seed)
 
 
-def test_decode_attention_small_kv_tiles_and_many_partitions(seed):
+@pytest.mark.parametrize("fused_reduce", [True, False])
+def test_decode_attention_small_kv_tiles_and_many_partitions(seed, fused_reduce):
+    """Up to 8 partitions a sequence, combined by the last partition to finish (fused_reduce) or by the reduce
+    kernel; the fused path leaves its arrival counts at 0 for the next launch."""
     k_cache, v_cache, bt, ctx_lens = _paged_cache([5, 250, 33], 16, 2, 64, torch.float32)
     q = torch.randn(3, 4, 64, device=DEVICE)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, 0.125, partition_size=32,
-                                                  block_n=16, out=_poisoned(q.shape, torch.float32))
+                                                  block_n=16, fused_reduce=fused_reduce,
+                                                  out=_poisoned(q.shape, torch.float32))
     _close(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, 0.125), torch.float32, seed)
+    if fused_reduce:
+        assert int(triton_ops.arrival_counts(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("partition", [64, 1024])

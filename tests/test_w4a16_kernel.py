@@ -130,7 +130,7 @@ def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     _close(got, ref, torch.float16, seed)
     two_kernels = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, fixup=False, **launch)
     _close(two_kernels, ref, torch.float16, seed)
-    assert int(triton_w4a16._locks(x.device).abs().sum()) == 0
+    assert int(triton_ops.arrival_counts(x.device, 1).abs().sum()) == 0
     again = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, **launch)
     assert torch.equal(got, again)
 
