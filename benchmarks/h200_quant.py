@@ -542,8 +542,9 @@ def section_profile_run(res: dict, base: dict, label: str, quant: str, kv: str) 
     from vserve import LLM, SamplingParams
 
     p, o = workload(256, 0, base["vocab_size"], (100, 1024))
+    # no prefix caching: the profiled pass repeats the prompts (random tokens: the timed pass shares no prefixes)
     llm = LLM(model_dir(_model_cfg(base, quant)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv)
+              max_num_seqs=256, enforce_eager=False, kv_cache_dtype=kv, enable_prefix_caching=False)
     llm.generate(p[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     runner = llm.llm_engine.runner
     orig, steps = runner.launch, []
@@ -598,7 +599,8 @@ def section_profile_run(res: dict, base: dict, label: str, quant: str, kv: str) 
     print(f"profile_run {label}: {wall:.2f} s wall, {len(mixed)} mixed steps {sum(r[2] for r in mixed) / 1e3:.2f} s, "
           f"{len(decode)} decode steps {sum(r[2] for r in decode) / 1e3:.2f} s; kernels "
           f"{res[f'profile_run_{label}']['kernel_s']:.2f} s of {prof_wall:.2f} s profiled", flush=True)
-    del llm, prof
+    del llm, prof, launch, evs
+    runner = orig = None  # the closure's cells: the engine must go before free_gpu
     free_gpu()
 
 

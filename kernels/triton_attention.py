@@ -92,13 +92,13 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 # ---------------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _combine_if_last(acc_ptr, m_ptr, l_ptr, count, out_ptr, ctx, row0, stride_oh, NUM_SPLITS, D: tl.constexpr,
-                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                     SPLITS_P: tl.constexpr):
+                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
     """Count this partition's arrival; the last of the sequence's partitions to arrive combines their partials
-    into the output (out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s) and resets the count. Not inlined, so
-    that the decode loop is compiled as without it."""
+    into the output (out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s) and resets the count. The partitions
+    are walked by a run-time loop (no constexpr of their number: eager steps change it, and each value would
+    compile the whole decode kernel again)."""
     n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_valid - 1:
         g = tl.arange(0, GROUP_P)
@@ -106,20 +106,19 @@ def _combine_if_last(acc_ptr, m_ptr, l_ptr, count, out_ptr, ctx, row0, stride_oh
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         base = (row0 + g) * NUM_SPLITS  # rows [sequence, head] of the partials
-        s = tl.arange(0, SPLITS_P)
-        smask = gmask[:, None] & (s < n_valid)[None, :]
-        ms = tl.load(m_ptr + base[:, None] + s[None, :], mask=smask, other=float("-inf"),
-                     cache_modifier=".cg")  # partials read past L1, which other SMs' stores do not reach
-        big_m = tl.max(ms, axis=1)
+        # partials read with .cg, past L1, which other SMs' stores do not reach
+        big_m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        for i in range(0, n_valid):
+            big_m = tl.maximum(big_m, tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
         big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
-        den = tl.sum(tl.load(l_ptr + base[:, None] + s[None, :], mask=smask, other=0.0, cache_modifier=".cg")
-                     * tl.exp2(ms - big_m[:, None]), axis=1)
+        den = tl.zeros([GROUP_P], tl.float32)
         num = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
         for i in range(0, n_valid):
-            m_s = tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg") - big_m)
+            den += tl.load(l_ptr + base + i, mask=gmask, other=0.0, cache_modifier=".cg") * w
             a = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
                         other=0.0, cache_modifier=".cg")
-            num += a * tl.exp2(m_s - big_m)[:, None]
+            num += a * w[:, None]
         o = num / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gmask[:, None] & dmask[None, :])
@@ -134,8 +133,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                             SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLITS_P: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
+                             SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot. FUSED_REDUCE: the last
     partition of a (sequence, kv head) to finish (an atomic arrival count) combines the partitions' partials, so
@@ -194,7 +193,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
             tl.debug_barrier()  # every thread's partials are stored before the count
             _combine_if_last(acc_ptr, m_ptr, l_ptr, count_ptr + b * (H // GROUP) + kvh,
                              out_ptr + b * stride_ob + kvh * GROUP * stride_oh, ctx, b * H + kvh * GROUP, stride_oh,
-                             NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D, PARTITION, SPLITS_P)
+                             NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D, PARTITION)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
@@ -271,17 +270,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         l = torch.empty_like(m)
         counts = arrival_counts(q.device, B * kvh) if fused_reduce else None
     block_d = triton.next_power_of_2(d)
-    splits_p = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         H, num_splits, D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
         BLOCK_N=block_n, BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, FUSED_REDUCE=counts is not None,
-        SPLITS_P=splits_p, DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
+        DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not single and counts is None:
+        splits_p = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
                                       PARTITION=partition_size, SPLITS_P=splits_p, SPLIT_TILE=min(16, splits_p),
                                       BLOCK_D=block_d, num_warps=4)
