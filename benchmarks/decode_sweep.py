@@ -40,8 +40,10 @@ SMALL_GRID = [dict(partition_size=2048, block_n=n, num_warps=4, num_stages=s, ma
                               (64, 2, 96), (64, 5, 128), (64, 1, 128), (32, 2, 96))]
 
 
-# the partials combined by the last partition to finish (the default) or by the reduce kernel, each timed twice
-REDUCE_GRID = [dict(fused_reduce=f) for f in (False, True, False, True)]
+# the partials combined by the last partition to finish (the default) or by the reduce kernel, at each partition
+# length, then the two at the default partition again
+REDUCE_GRID = [dict(partition_size=p, fused_reduce=f) for p in (512, 1024, 2048) for f in (True, False)] + \
+    [dict(fused_reduce=f) for f in (False, True)]
 
 
 def main() -> None:

@@ -586,7 +586,20 @@ def section_profile_run(res: dict, base: dict, label: str, quant: str, kv: str) 
         torch.cuda.synchronize()
         prof_wall = time.perf_counter() - t1
     ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    # the run's mixed (prefill) steps come first: kernels that start within their span of the first kernel
+    kern = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    first = min((k[1] for k in kern), default=0)
+    span_us = 1e3 * sum(r[2] for r in rows[:next((i for i, r in enumerate(rows) if r[0] == r[1]), len(rows))])
+    pre: dict[str, list] = {}
+    for name, start, us in kern:
+        if start - first < span_us:
+            c = pre.setdefault(name[:120], [0.0, 0])
+            c[0] += us / 1e6
+            c[1] += 1
     res[f"profile_run_{label}"] = dict(
+        prefill_phase_ms=span_us / 1e3, prefill_kernel_s=sum(c[0] for c in pre.values()),
+        prefill_kernels=sorted(((n, c[0], c[1]) for n, c in pre.items()), key=lambda x: -x[1])[:60],
         wall_s=wall, steps=len(rows), output_tok_s=sum(o) / wall,
         mixed_steps=dict(n=len(mixed), gpu_ms=sum(r[2] for r in mixed), host_ms=sum(r[3] for r in mixed),
                          tokens=sum(r[0] for r in mixed), decode_rows=sum(r[1] for r in mixed)),
