@@ -660,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                          "profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
+    ap.add_argument("--fp8mm-ms", type=lambda v: [int(m) for m in v.split(",")], default=[256, 2048],
+                    help="rows of the fp8mm section, comma-separated")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -701,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
                     "profile_run": lambda r: (section_profile_run(r, LLAMA3_8B, "bf16", "bf16", "auto"),
                                               section_profile_run(r, LLAMA3_8B, "fp8", "fp8", "fp8")),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
-                    "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES),
+                    "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
