@@ -4,8 +4,8 @@ the pipelined loop (TTGIR), and an instruction histogram of the whole kernel and
 
     python benchmarks/triton_sass.py vserve.kernels.triton_attention:_decode_partition_kernel \\
         --types q_ptr=*bf16,kc_ptr=*fp8e4nv,vc_ptr=*fp8e4nv,bt_ptr=*i32,ctx_ptr=*i32,out_ptr=*bf16,acc_ptr=*fp32,\\
-m_ptr=*fp32,l_ptr=*fp32,qk_scale=fp32 \\
-        --const D=128,GROUP=4,GROUP_P=16,BLOCK_SIZE=16,BLOCK_N=128,BLOCK_D=128,PARTITION=2048,SINGLE=False,\\
+m_ptr=*fp32,l_ptr=*fp32,count_ptr=*i32,qk_scale=fp32 \\
+        --const D=128,GROUP=4,GROUP_P=16,BLOCK_SIZE=16,BLOCK_N=128,BLOCK_D=128,PARTITION=2048,FUSED_REDUCE=True,\\
 DOT_PRECISION=tf32,F16_DOT=True,V_HW_CVT=True --num-warps 4 --num-stages 2
 
 Arguments not named in --types or --const are int32; pointers and stride_* arguments are declared 16-divisible

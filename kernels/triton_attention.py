@@ -133,7 +133,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                             SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                              F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot. FUSED_REDUCE: the last
@@ -144,8 +144,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     start = split * PARTITION
-    if not SINGLE and start >= ctx:
-        return  # past the sequence's end: the reduce reads only the partitions that hold tokens
+    if split > 0 and start >= ctx:
+        return  # past the sequence's end: the combine reads only the partitions that hold tokens
     end = tl.minimum(start + PARTITION, ctx)
 
     g = tl.arange(0, GROUP_P)
@@ -180,7 +180,7 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SINGLE or ctx <= PARTITION:  # this sequence has one partition: normalize and write the output here
+    if ctx <= PARTITION:  # this sequence has one partition (or none: zeros): normalize and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context (a padded row) gives zeros
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gmask[:, None] & dmask[None, :])
@@ -261,21 +261,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     num_splits = max(1, triton.cdiv(block_tables.shape[1] * bs, partition_size))
     single = num_splits == 1
-    counts = None
+    # one kernel variant for one split and several (eager steps' narrow tables would otherwise compile another)
+    counts = arrival_counts(q.device, B * kvh) if fused_reduce else None
     if single:
         acc = m = l = out  # unused
     else:
         acc = torch.empty((B, H, num_splits, d), dtype=torch.float32, device=q.device)
         m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-        counts = arrival_counts(q.device, B * kvh) if fused_reduce else None
     block_d = triton.next_power_of_2(d)
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         H, num_splits, D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
-        BLOCK_N=block_n, BLOCK_D=block_d, PARTITION=partition_size, SINGLE=single, FUSED_REDUCE=counts is not None,
+        BLOCK_N=block_n, BLOCK_D=block_d, PARTITION=partition_size, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))

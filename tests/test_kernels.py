@@ -164,14 +164,19 @@ def test_decode_attention_small_kv_tiles_and_many_partitions(seed, fused_reduce)
         assert int(triton_ops.arrival_counts(q.device, 1).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("partition", [64, 1024])
-def test_decode_row_with_empty_context_gives_zeros(seed, partition):
-    """CUDA-graph padding rows have context_len 0: they must come out finite (zeros), not NaN."""
+@pytest.mark.parametrize("partition,width,fused", [(64, None, True), (1024, None, True), (16, 8, True),
+                                                   (16, 8, False)])
+def test_decode_row_with_empty_context_gives_zeros(seed, partition, width, fused):
+    """CUDA-graph padding rows have context_len 0: they must come out finite (zeros), not NaN, also when the
+    table is as wide as the graphs capture it (several partitions a row: width blocks)."""
     k_cache, v_cache, bt, _ = _paged_cache([40, 40], 16, 1, 64, torch.float32)
+    if width is not None:
+        bt = torch.cat([bt, bt.new_zeros(2, width - bt.shape[1])], dim=1)
     ctx_lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 2, 64, device=DEVICE)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, 0.125,
-                                                  partition_size=partition, out=_poisoned(q.shape, torch.float32))
+                                                  partition_size=partition, block_n=16, fused_reduce=fused,
+                                                  out=_poisoned(q.shape, torch.float32))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     _close(out[:1], paged_decode_attention_ref(q[:1], k_cache, v_cache, bt[:1], ctx_lens[:1], 0.125),
            torch.float32, seed)
