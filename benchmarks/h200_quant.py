@@ -500,6 +500,77 @@ def section_fp8mm_triton(res: dict, dev: str, shapes, ms=(256,)) -> None:
     res["fp8mm_triton"] = rows
 
 
+TUNE_GRID = [dict(block_m=bm, block_n=bn, block_k=128, split_k=sk, num_warps=w, num_stages=st)
+             for bm, bn, w, st in ((64, 128, 4, 4), (64, 64, 4, 5), (128, 128, 8, 4), (128, 64, 4, 4))
+             for sk in (1, 2, 4, 8)]
+TUNE_MS = (16, 32, 64, 128, 192, 256)
+
+
+def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, margin: float = 0.97) -> dict:
+    """For each shape and row count, torch._scaled_mm (as the engine runs it) against the split-K grid
+    (CUDA-graph timing, weights hot in L2 as in any one-GEMM timing); the table scaled_mm.FP8_SPLITK takes: for each
+    row count where the best launch takes under margin x cuBLAS's time, (rows, launch), the launch serving the row
+    counts down to the previous entry."""
+    from vserve.kernels import scaled_mm, triton_fp8_mm, triton_ops
+    from vserve.kernels.gpu_check import time_ms
+
+    saved, scaled_mm.FP8_SPLITK = scaled_mm.FP8_SPLITK, {}
+    rows, table = [], {}
+    try:
+        for K, N in shapes:
+            wq, ws = w8_weight("fp8", K, N, dev)
+            entries = []
+            for M in ms:
+                xq, xs = triton_ops.per_token_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16),
+                                                    torch.float8_e4m3fn)
+                ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, torch.bfloat16)
+                cublas = time_ms(partial(scaled_mm.fp8_mm, xq, xs, wq, ws, torch.bfloat16), dev)[0]
+                best = None
+                for cfg in TUNE_GRID:
+                    if K % (cfg["split_k"] * cfg["block_k"]):
+                        continue
+                    try:
+                        fn = partial(triton_fp8_mm.fp8_mm_splitk, xq, xs, wq, ws, torch.bfloat16, **cfg)
+                        err = _rel(fn(), ref)
+                        t = time_ms(fn, dev)[0]
+                    except Exception as e:  # a launch that does not fit: keep the others
+                        rows.append(dict(K=K, N=N, M=M, cfg=cfg, error=str(e)[:200]))
+                        continue
+                    rows.append(dict(K=K, N=N, M=M, cfg=cfg, ms=t, cublas_ms=cublas, rel_err=err))
+                    if err < 2e-2 and (best is None or t < best[0]):
+                        best = (t, cfg)
+                won = best is not None and best[0] < margin * cublas
+                if won:
+                    entries.append((M, best[1]))
+                print(f"fp8_splitk {K}x{N} M={M}: cublas {cublas:.4f} ms, best split-K "
+                      + (f"{best[0]:.4f} ms {best[1]}" if best else "none") + (" (taken)" if won else ""), flush=True)
+            if entries:
+                table[(K, N)] = tuple(entries)
+    finally:
+        scaled_mm.FP8_SPLITK = saved
+    res["fp8_splitk_tune"] = rows
+    res["fp8_splitk_table"] = {f"{K}x{N}": v for (K, N), v in table.items()}
+    return table
+
+
+def section_fp8_splitk(res: dict, base: dict) -> None:
+    """Tune the split-K table on this GPU (tune_fp8_splitk), then the throughput workload: FP8 W8A8 + fp8 KV with
+    cuBLAS only (first: it also takes the process's first-run compiles), bf16, FP8 with the table, FP8 without."""
+    from vserve.kernels import scaled_mm
+
+    table = tune_fp8_splitk(res, "cuda", SHAPES)
+    saved = scaled_mm.FP8_SPLITK
+    for label, q, kv, t in (("warm_cublas", "fp8", "fp8", {}), ("", "bf16", "auto", None),
+                            ("splitk", "fp8", "fp8", table), ("cublas", "fp8", "fp8", {}),
+                            ("splitk_r2", "fp8", "fp8", table)):
+        scaled_mm.FP8_SPLITK = saved if t is None else t
+        try:
+            r = res[f"throughput_256_u100_1024_{q}_kv_{kv}" + (f"_{label}" if label else "")] = _run_256(base, q, kv)
+        finally:
+            scaled_mm.FP8_SPLITK = saved
+        print(f"{q} {label}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def section_throughput_fast(res: dict, base: dict) -> None:
     """256 requests: FP8 W8A8 + fp8 KV with use_fast_accum and without it, beside bf16 (this process)."""
     from vserve.kernels import scaled_mm
@@ -683,7 +754,7 @@ def summary(res: dict) -> str:
     for k, v in res.items():
         if k.startswith("smoke_"):
             lines.append(f"{k}: {v['tokens']}")
-        if isinstance(v, dict) and "output_tok_s" in v:
+        if isinstance(v, dict) and "output_tokens" in v:
             lines.append(f"{k}: {v['output_tok_s']:.1f} tok/s ({v['output_tokens']} tokens in {v['seconds']:.1f} s)")
         if k.endswith("_error"):
             lines.append(f"{k}: {str(v).strip().splitlines()[-1]}")
@@ -744,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
                     "fp8mm_triton": lambda r: section_fp8mm_triton(r, "cuda", SHAPES, args.fp8mm_ms),
+                    "fp8_splitk": lambda r: section_fp8_splitk(r, LLAMA3_8B),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),

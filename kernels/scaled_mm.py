@@ -54,6 +54,25 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 FAST_ACCUM = True
 
 
+# Where the Triton split-K FP8 GEMM (kernels/triton_fp8_mm.py) beats torch._scaled_mm: (K, N) -> ((most rows,
+# launch), ...) in increasing rows, for compute capability 9.0 (benchmarks/h200_quant.py --sections fp8_splitk on an
+# H200: docs/performance.md). Shapes and row counts not listed go to torch._scaled_mm.
+FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {}
+
+
+def fp8_splitk_launch(M: int, K: int, N: int, device: torch.device) -> dict | None:
+    """The split-K launch for an [M, K] x [K, N] FP8 GEMM on device, or None for torch._scaled_mm."""
+    entries = FP8_SPLITK.get((K, N))
+    if not entries or device.type != "cuda" or _capability(device) != (9, 0):
+        return None
+    return next((cfg for most, cfg in entries if M <= most), None)
+
+
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 @cache
 def _one(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
@@ -61,8 +80,15 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def fp8_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            out_dtype: torch.dtype) -> torch.Tensor:
-    """As fp8_mm_ref, through torch._scaled_mm (compute capability >= 8.9)."""
+    """As fp8_mm_ref, through torch._scaled_mm (compute capability >= 8.9), or the Triton split-K GEMM where
+    FP8_SPLITK says it is faster."""
     xq2, xs, ws = _rows(xq), _rows(x_scale), weight_scale.reshape(1, -1)
+    launch = fp8_splitk_launch(xq2.shape[0], xq2.shape[1], weight.shape[0], xq.device) \
+        if out_dtype in (torch.bfloat16, torch.float16) else None
+    if launch is not None:
+        from vserve.kernels.triton_fp8_mm import fp8_mm_splitk
+
+        return fp8_mm_splitk(xq2, xs, weight, weight_scale, out_dtype, **launch).view(*xq.shape[:-1], -1)
     if out_dtype == torch.bfloat16:  # row-wise scales are applied inside the GEMM (bf16 output only)
         y = torch._scaled_mm(xq2, weight.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
                               use_fast_accum=FAST_ACCUM)
