@@ -41,24 +41,25 @@ def _fp8_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, part_ptr, out_ptr, count_ptr, M
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    omask = mmask[:, None] & nmask[None, :]
-    o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    xs = tl.load(as_ptr + rm, mask=mmask, other=0.0)
+    ws = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
+    o_blk = tl.make_block_ptr(out_ptr, (M, N), (stride_om, 1), (pid_m * BLOCK_M, pid_n * BLOCK_N), (BLOCK_M, BLOCK_N),
+                              (1, 0))
     if SPLIT == 1:
-        xs = tl.load(as_ptr + rm, mask=mmask, other=0.0)
-        ws = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
-        tl.store(o_ptrs, (acc * xs[:, None] * ws[None, :]).to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(o_blk, (acc * xs[:, None] * ws[None, :]).to(out_ptr.dtype.element_ty), boundary_check=(0, 1))
     else:
-        p_off = rm[:, None] * N + rn[None, :]
-        tl.store(part_ptr + pid_k * stride_ps + p_off, acc, mask=omask)
+        p_blk = tl.make_block_ptr(part_ptr + pid_k * stride_ps, (M, N), (N, 1), (pid_m * BLOCK_M, pid_n * BLOCK_N),
+                                  (BLOCK_M, BLOCK_N), (1, 0))
+        tl.store(p_blk, acc, boundary_check=(0, 1))
         tl.debug_barrier()  # every thread's partial is stored before the count
         count = count_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:  # the last split: sum in order
             tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + s * stride_ps + p_off, mask=omask, other=0.0, cache_modifier=".cg")
-            xs = tl.load(as_ptr + rm, mask=mmask, other=0.0)
-            ws = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
-            tl.store(o_ptrs, (tot * xs[:, None] * ws[None, :]).to(out_ptr.dtype.element_ty), mask=omask)
+                s_blk = tl.make_block_ptr(part_ptr + s * stride_ps, (M, N), (N, 1),
+                                          (pid_m * BLOCK_M, pid_n * BLOCK_N), (BLOCK_M, BLOCK_N), (1, 0))
+                tot += tl.load(s_blk, boundary_check=(0, 1), padding_option="zero", cache_modifier=".cg")
+            tl.store(o_blk, (tot * xs[:, None] * ws[None, :]).to(out_ptr.dtype.element_ty), boundary_check=(0, 1))
             tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA-graph replays included)
 
 
