@@ -302,6 +302,16 @@ def section_throughput_reduce(res: dict, base: dict) -> None:
             print(f"{q} {label}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
+def section_throughput_pair_warm(res: dict, base: dict) -> None:
+    """throughput_pair after one untimed-for-the-ratio run of each (bf16, then FP8 + fp8 KV): a fresh process compiles
+    Triton variants during its first runs (up to ~1 s stalls in a mixed step), which would land in the pair's first
+    runs otherwise."""
+    for q, kv in (("bf16", "auto"), ("fp8", "fp8")):
+        r = res[f"throughput_256_u100_1024_{q}_kv_{kv}_warm"] = _run_256(base, q, kv)
+        print(f"{q} warm: {r['output_tok_s']:.1f} tok/s", flush=True)
+    section_throughput_pair(res, base)
+
+
 def _drop_plan(r: dict) -> dict:
     """run_vserve's record without the (bf16-only) roofline and doctor fields, which do not apply here."""
     return {k: v for k, v in r.items() if k not in ("bound_s", "bound_tok_s", "frac_of_bound", "doctor_prediction")}
@@ -820,6 +830,7 @@ def main(argv: list[str] | None = None) -> int:
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
                     "throughput_reduce": lambda r: section_throughput_reduce(r, LLAMA3_8B),
+                    "throughput_pair_warm": lambda r: section_throughput_pair_warm(r, LLAMA3_8B),
                     "throughput_attn": lambda r: section_throughput_attn(r, LLAMA3_8B, out / "decode_sweep.json")}
         sections = {n: f for n, f in sections.items() if n in names or (n == "speed" and "sweep" in names)}
         res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

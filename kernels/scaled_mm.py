@@ -54,10 +54,23 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 FAST_ACCUM = True
 
 
+def _L(block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int) -> dict:
+    return dict(block_m=block_m, block_n=block_n, block_k=128, split_k=split_k, num_warps=num_warps,
+                num_stages=num_stages)
+
+
 # Where the Triton split-K FP8 GEMM (kernels/triton_fp8_mm.py) beats torch._scaled_mm: (K, N) -> ((most rows,
-# launch), ...) in increasing rows, for compute capability 9.0 (benchmarks/h200_quant.py --sections fp8_splitk on an
-# H200: docs/performance.md). Shapes and row counts not listed go to torch._scaled_mm.
-FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {}
+# launch), ...) in increasing rows, for compute capability 9.0. Tuned on an H200 (benchmarks/h200_quant.py
+# --sections fp8_splitk: the fastest of a launch grid at 16, 32, 64, 128, 192, 256 rows where it took under 0.97x
+# cuBLAS's time; docs/performance.md) for Llama-3-8B's four linears. Other shapes and row counts (prefill chunks)
+# go to torch._scaled_mm: cuBLAS runs all four with 128 x 128 tiles, which leaves most SMs idle at N = 4096 and a
+# few dozen rows.
+FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
+    (4096, 6144): ((64, _L(64, 64, 1, 4, 5)), (128, _L(64, 128, 1, 4, 4))),  # qkv_proj
+    (4096, 4096): ((16, _L(64, 64, 2, 4, 5)), (192, _L(64, 64, 1, 4, 5)), (256, _L(64, 128, 1, 4, 4))),  # o_proj
+    (4096, 28672): ((64, _L(64, 128, 1, 4, 4)),),  # gate_up_proj
+    (14336, 4096): ((64, _L(64, 64, 4, 4, 5)), (128, _L(64, 64, 2, 4, 5)), (256, _L(64, 64, 1, 4, 5))),  # down_proj
+}
 
 
 def fp8_splitk_launch(M: int, K: int, N: int, device: torch.device) -> dict | None:

@@ -4,8 +4,11 @@ At a few hundred rows, torch._scaled_mm runs every Llama-3-8B linear with 128 x 
 shapes on the H200): the N = 4096 outputs (o_proj, down_proj) are 2 x 32 = 64 tiles on 132 SMs, and down_proj's
 K = 14336 makes each of them long. Here the K dimension is also split over programs; the last program of each
 output tile to finish (an atomic arrival count) sums the fp32 partials in split order (deterministic) and applies
-the per-token and per-channel scales. Same semantics as kernels/scaled_mm.fp8_mm_ref: products exact in fp32,
-summed in fp32, scaled in fp32, rounded to the output dtype.
+the per-token and per-channel scales. Semantics of kernels/scaled_mm.fp8_mm_ref (products exact, scaled in fp32,
+rounded to the output dtype), except that on sm_90 the tensor cores' FP8 accumulation is not a full fp32 sum (as
+cuBLAS's fast accumulation, which the engine's bf16 FP8 GEMMs use): on an H200 the error against the fp32 sum was
+0.44-0.63% of the output's largest value, 0.96-1.02% with one split at K = 14336 (benchmarks/h200_quant.py
+--sections fp8_splitk).
 """
 
 from __future__ import annotations
