@@ -6,10 +6,11 @@ Correctness is measured against the reference run in float32 on the same (low-pr
 "torch err" is the reference's own error when run in the low dtype, for scale. The W8A8 activation quantizers must
 be bit-exact: per_token_quant against its reference, each fused one against the kernels it replaces. The sampling
 kernel must draw the reference's token on every row, or one the float64 CDF shows to be a tie at a CDF boundary
-(its "max abs err" is the share of rows whose token differs from the reference's). Decode is reported as GB/s of
-KV read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash backend and
-torch.nn.attention.varlen.varlen_attn when the installed torch has it; sampling as GB/s of logits read once,
-against the torch path it replaced (softmax + cumsum + searchsorted). ``--tiny`` shrinks every shape so
+(its "max abs err" is the share of rows whose token differs from the reference's). The split-K FP8 GEMM must be
+within 2% of the output's largest value of the fp32 sum (bf16 rounding plus sm_90's FP8 accumulation). Decode is
+reported as GB/s of KV read against the H200's measured copy rate; prefill as TFLOP/s against torch's SDPA flash
+backend and torch.nn.attention.varlen.varlen_attn when the installed torch has it; sampling as GB/s of logits read
+once, against the torch path it replaced (softmax + cumsum + searchsorted). ``--tiny`` shrinks every shape so
 the script itself can be smoke-tested on a CPU under TRITON_INTERPRET=1 (its timings then mean nothing).
 """
 
@@ -344,6 +345,39 @@ def check_sampling(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny:
     return rows
 
 
+def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
+    """The split-K FP8 GEMM (triton_fp8_mm) against fp8_mm_ref on the model's four linear shapes, with each launch
+    scaled_mm.FP8_SPLITK holds for the shape (a one- and a two-split launch for shapes it does not list), at a few
+    row counts. Tolerance 2% of the output's largest value: the bf16/fp16 rounding plus sm_90's FP8 accumulation,
+    which is not a full fp32 sum (1.0% measured at K = 14336, as cuBLAS's fast accumulation)."""
+    from vserve.kernels import ops_ref, scaled_mm, triton_fp8_mm
+
+    shapes = {"qkv": (m.hidden, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim),
+              "o": (m.num_heads * m.head_dim, m.hidden), "gate_up": (m.hidden, 2 * m.intermediate),
+              "down": (m.intermediate, m.hidden)}
+    rows = []
+    for proj, (K, N) in shapes.items():
+        if tiny:
+            launches = [dict(block_m=16, block_n=32, block_k=32, split_k=sk, num_warps=4, num_stages=1)
+                        for sk in (1, 2) if K % (32 * sk) == 0]
+        else:
+            listed = [cfg for _, cfg in scaled_mm.FP8_SPLITK.get((K, N), ())]
+            launches = listed or [dict(block_m=64, block_n=64, block_k=128, split_k=sk, num_warps=4, num_stages=5)
+                                  for sk in (1, 2) if K % (128 * sk) == 0]
+        wq, ws = ops_ref.per_token_quant_ref(torch.randn(N, K, device=dev) * 0.05, torch.float8_e4m3fn)
+        for M in ((1, 5, 33) if tiny else (1, 16, 100, 256)):
+            xq, xs = ops_ref.per_token_quant_ref(torch.randn(M, K, device=dev), torch.float8_e4m3fn)
+            ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, torch.float32)
+            scale = float(ref.abs().max())
+            for cfg in launches:
+                got = triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, **cfg)
+                err = float((got.float() - ref).abs().max())
+                rows.append(CheckRow("fp8_mm_splitk", f"{name} {proj} {K}x{N} M={M} bm={cfg['block_m']} "
+                                     f"bn={cfg['block_n']} split={cfg['split_k']}", str(dtype).removeprefix("torch."),
+                                     err, err <= 2e-2 * scale, "2e-2·max|ref|"))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- timing
 
 
@@ -591,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[CheckRow] = []
     for name in names:
         for dtype in dtypes:
-            for fn in (check_attention, check_ops, check_sampling):
+            for fn in (check_attention, check_ops, check_sampling, check_fp8_mm):
                 try:
                     checks += fn(name, table[name], dtype, dev, args.tiny)
                 except Exception as e:
