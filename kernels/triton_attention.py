@@ -9,6 +9,8 @@ any power-of-two block size; head dims that are not powers of two are padded wit
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -227,6 +229,11 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+@cache
+def _unused_f32(device: torch.device) -> torch.Tensor:
+    return torch.empty(16, dtype=torch.float32, device=device)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
@@ -261,10 +268,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     num_splits = max(1, triton.cdiv(block_tables.shape[1] * bs, partition_size))
     single = num_splits == 1
-    # one kernel variant for one split and several (eager steps' narrow tables would otherwise compile another)
+    # One kernel variant for one split and several: eager steps' tables are only as wide as their longest context,
+    # and a variant of its own (a constexpr, or another pointer dtype) would compile mid-run (a ~1 s step).
     counts = arrival_counts(q.device, B * kvh) if fused_reduce else None
     if single:
-        acc = m = l = out  # unused
+        acc = m = l = _unused_f32(q.device)  # the partials' dtype, as in the several-split variant
     else:
         acc = torch.empty((B, H, num_splits, d), dtype=torch.float32, device=q.device)
         m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
