@@ -477,50 +477,19 @@ FP8_SPLITK_GRID = [dict(block_m=bm, block_n=bn, block_k=128, split_k=sk, num_war
                    for sk in (1, 2, 4, 7)]
 
 
-def section_fp8mm_triton(res: dict, dev: str, shapes, ms=(256,)) -> None:
-    """The Triton split-K FP8 GEMM (kernels/triton_fp8_mm.py) over a launch grid beside torch._scaled_mm (fast
-    accumulation, as the engine runs it), bf16 outputs, CUDA-graph timing; error against fp8_mm_ref."""
-    from vserve.kernels import scaled_mm, triton_fp8_mm, triton_ops
-    from vserve.kernels.gpu_check import time_ms
-
-    rows = []
-    for K, N in shapes:
-        wq, ws = w8_weight("fp8", K, N, dev)
-        for M in ms:
-            xq, xs = triton_ops.per_token_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16),
-                                                torch.float8_e4m3fn)
-            ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, torch.bfloat16)
-            cublas = time_ms(partial(scaled_mm.fp8_mm, xq, xs, wq, ws, torch.bfloat16), dev)[0]
-            best = None
-            for cfg in FP8_SPLITK_GRID:
-                if K % (cfg["split_k"] * cfg["block_k"]):
-                    continue
-                try:
-                    fn = partial(triton_fp8_mm.fp8_mm_splitk, xq, xs, wq, ws, torch.bfloat16, **cfg)
-                    err = _rel(fn(), ref)
-                    t = time_ms(fn, dev)[0]
-                except Exception as e:  # a launch that does not fit: keep the others
-                    rows.append(dict(K=K, N=N, M=M, cfg=cfg, error=str(e)[:200]))
-                    continue
-                rows.append(dict(K=K, N=N, M=M, cfg=cfg, ms=t, cublas_ms=cublas, rel_err=err))
-                if err < 2e-2 and (best is None or t < best[0]):
-                    best = (t, cfg, err)
-            print(f"fp8mm_triton {K}x{N} M={M}: cublas {cublas:.4f} ms; best triton "
-                  + (f"{best[0]:.4f} ms {best[1]} err {best[2]:.2e}" if best else "none"), flush=True)
-    res["fp8mm_triton"] = rows
-
-
 TUNE_GRID = [dict(block_m=bm, block_n=bn, block_k=128, split_k=sk, num_warps=w, num_stages=st)
              for bm, bn, w, st in ((64, 128, 4, 4), (64, 64, 4, 5), (128, 128, 8, 4), (128, 64, 4, 4))
              for sk in (1, 2, 4, 8)]
 TUNE_MS = (16, 32, 64, 128, 192, 256)
 
 
-def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, margin: float = 0.97) -> dict:
-    """For each shape and row count, torch._scaled_mm (as the engine runs it) against the split-K grid
-    (CUDA-graph timing, weights hot in L2 as in any one-GEMM timing); the table scaled_mm.FP8_SPLITK takes: for each
-    row count where the best launch takes under margin x cuBLAS's time, (rows, launch), the launch serving the row
-    counts down to the previous entry."""
+def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key: str = "fp8_splitk",
+                    margin: float = 0.97) -> dict:
+    """For each shape and row count, torch._scaled_mm (as the engine runs it) against the split-K launches of grid
+    (CUDA-graph timing, weights hot in L2 as in any one-GEMM timing), bf16 outputs, each launch's error against
+    fp8_mm_ref; the table scaled_mm.FP8_SPLITK takes: for each row count where the best launch takes under margin x
+    cuBLAS's time, (rows, launch), the launch serving the row counts down to the previous entry. Rows and table go
+    to res[key + "_tune"] and res[key + "_table"]."""
     from vserve.kernels import scaled_mm, triton_fp8_mm, triton_ops
     from vserve.kernels.gpu_check import time_ms
 
@@ -536,7 +505,7 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, margin: float = 0.9
                 ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, torch.bfloat16)
                 cublas = time_ms(partial(scaled_mm.fp8_mm, xq, xs, wq, ws, torch.bfloat16), dev)[0]
                 best = None
-                for cfg in TUNE_GRID:
+                for cfg in grid:
                     if K % (cfg["split_k"] * cfg["block_k"]):
                         continue
                     try:
@@ -558,8 +527,8 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, margin: float = 0.9
                 table[(K, N)] = tuple(entries)
     finally:
         scaled_mm.FP8_SPLITK = saved
-    res["fp8_splitk_tune"] = rows
-    res["fp8_splitk_table"] = {f"{K}x{N}": v for (K, N), v in table.items()}
+    res[f"{key}_tune"] = rows
+    res[f"{key}_table"] = {f"{K}x{N}": v for (K, N), v in table.items()}
     return table
 
 
@@ -824,7 +793,8 @@ def main(argv: list[str] | None = None) -> int:
                                               section_profile_run(r, LLAMA3_8B, "fp8", "fp8", "fp8")),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
-                    "fp8mm_triton": lambda r: section_fp8mm_triton(r, "cuda", SHAPES, args.fp8mm_ms),
+                    "fp8mm_triton": lambda r: tune_fp8_splitk(r, "cuda", SHAPES, args.fp8mm_ms, FP8_SPLITK_GRID,
+                                                              "fp8mm_triton"),
                     "fp8_splitk": lambda r: section_fp8_splitk(r, LLAMA3_8B),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
