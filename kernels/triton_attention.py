@@ -95,36 +95,32 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 @triton.jit
-def _combine_if_last(acc_ptr, m_ptr, l_ptr, count, out_ptr, ctx, row0, stride_oh, NUM_SPLITS, D: tl.constexpr,
-                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
-    """Count this partition's arrival; the last of the sequence's partitions to arrive combines their partials
-    into the output (out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s) and resets the count. The partitions
-    are walked by a run-time loop (no constexpr of their number: eager steps change it, and each value would
-    compile the whole decode kernel again)."""
-    n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_valid - 1:
-        g = tl.arange(0, GROUP_P)
-        gmask = g < GROUP
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        base = (row0 + g) * NUM_SPLITS  # rows [sequence, head] of the partials
-        # partials read with .cg, past L1, which other SMs' stores do not reach
-        big_m = tl.full([GROUP_P], float("-inf"), tl.float32)
-        for i in range(0, n_valid):
-            big_m = tl.maximum(big_m, tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
-        big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
-        den = tl.zeros([GROUP_P], tl.float32)
-        num = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
-        for i in range(0, n_valid):
-            w = tl.exp2(tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg") - big_m)
-            den += tl.load(l_ptr + base + i, mask=gmask, other=0.0, cache_modifier=".cg") * w
-            a = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                        other=0.0, cache_modifier=".cg")
-            num += a * w[:, None]
-        o = num / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=gmask[:, None] & dmask[None, :])
-        tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA-graph replays included)
+def _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr, n_valid, row0, stride_oh, NUM_SPLITS, D: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GROUP heads from partial row row0 (of [sequence, head]) of one kv head: out = sum_s 2^(m_s - M) acc_s /
+    sum_s 2^(m_s - M) l_s over their first n_valid partitions (zeros for none). The partitions are walked by a
+    run-time loop (no constexpr of their number: eager steps change it, and each value would compile again). The
+    partials are read with .cg, past L1, which other SMs' stores do not reach."""
+    g = tl.arange(0, GROUP_P)
+    gmask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    base = (row0 + g) * NUM_SPLITS
+    big_m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    for i in range(0, n_valid):
+        big_m = tl.maximum(big_m, tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
+    big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
+    den = tl.zeros([GROUP_P], tl.float32)
+    num = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+    for i in range(0, n_valid):
+        w = tl.exp2(tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg") - big_m)
+        den += tl.load(l_ptr + base + i, mask=gmask, other=0.0, cache_modifier=".cg") * w
+        a = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                    other=0.0, cache_modifier=".cg")
+        num += a * w[:, None]
+    o = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None] & dmask[None, :])
 
 
 # Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
@@ -193,40 +189,27 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
         if FUSED_REDUCE:
             tl.debug_barrier()  # every thread's partials are stored before the count
-            _combine_if_last(acc_ptr, m_ptr, l_ptr, count_ptr + b * (H // GROUP) + kvh,
-                             out_ptr + b * stride_ob + kvh * GROUP * stride_oh, ctx, b * H + kvh * GROUP, stride_oh,
-                             NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D, PARTITION)
+            count = count_ptr + b * (H // GROUP) + kvh
+            n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_valid - 1:  # the last one: combine
+                _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr + b * stride_ob + kvh * GROUP * stride_oh, n_valid,
+                                  b * H + kvh * GROUP, stride_oh, NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D)
+                tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA-graph replays included)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, H, D, NUM_SPLITS,
-                          PARTITION: tl.constexpr, SPLITS_P: tl.constexpr, SPLIT_TILE: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """Combine one (sequence, head)'s partitions: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, H, NUM_SPLITS,
+                          D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PARTITION: tl.constexpr):
+    """Combine one (sequence, kv head)'s partitions (fused_reduce=False), as the fused path's last partition does."""
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     if ctx <= PARTITION and ctx > 0:
         return  # one partition: the partition kernel wrote the output
-    n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
-    base = (b * H + h) * NUM_SPLITS
-    s = tl.arange(0, SPLITS_P)
-    smask = s < n_valid
-    m = tl.load(m_ptr + base + s, mask=smask, other=float("-inf"))
-    big_m = tl.max(m, axis=0)
-    big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
-    den = tl.sum(tl.load(l_ptr + base + s, mask=smask, other=0.0) * tl.exp2(m - big_m), axis=0)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    num = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n_valid, SPLIT_TILE):
-        st = s0 + tl.arange(0, SPLIT_TILE)
-        stmask = st < n_valid
-        w = tl.exp2(tl.load(m_ptr + base + st, mask=stmask, other=float("-inf")) - big_m)
-        a = tl.load(acc_ptr + (base + st)[:, None] * D + d[None, :], mask=stmask[:, None] & dmask[None, :], other=0.0)
-        num += tl.sum(a * w[:, None], axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr + b * stride_ob + kvh * GROUP * stride_oh,
+                      tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS), b * H + kvh * GROUP, stride_oh, NUM_SPLITS, D,
+                      GROUP, GROUP_P, BLOCK_D)
 
 
 @cache
@@ -277,21 +260,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc = torch.empty((B, H, num_splits, d), dtype=torch.float32, device=q.device)
         m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-    block_d = triton.next_power_of_2(d)
+    block_d, group_p = triton.next_power_of_2(d), max(16, triton.next_power_of_2(group))
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        H, num_splits, D=d, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
-        BLOCK_N=block_n, BLOCK_D=block_d, PARTITION=partition_size, FUSED_REDUCE=counts is not None,
+        H, num_splits, D=d, GROUP=group, GROUP_P=group_p, BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
+        PARTITION=partition_size, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not single and counts is None:
-        splits_p = triton.next_power_of_2(num_splits)
-        _decode_reduce_kernel[(B, H)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, d, num_splits,
-                                      PARTITION=partition_size, SPLITS_P=splits_p, SPLIT_TILE=min(16, splits_p),
-                                      BLOCK_D=block_d, num_warps=4)
+        _decode_reduce_kernel[(B, kvh)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, num_splits,
+                                        D=d, GROUP=group, GROUP_P=group_p, BLOCK_D=block_d, PARTITION=partition_size,
+                                        num_warps=4)
     return out
 
 
