@@ -481,15 +481,21 @@ TUNE_GRID = [dict(block_m=bm, block_n=bn, block_k=128, split_k=sk, num_warps=w, 
              for bm, bn, w, st in ((64, 128, 4, 4), (64, 64, 4, 5), (128, 128, 8, 4), (128, 64, 4, 4))
              for sk in (1, 2, 4, 8)]
 TUNE_MS = (16, 32, 64, 128, 192, 256)
+# cold tuning: the graph batch sizes up to 256 (core/model_runner.graph_batch_sizes), and 256-wide K steps too
+COLD_GRID = TUNE_GRID + [dict(block_m=64, block_n=bn, block_k=256, split_k=sk, num_warps=4, num_stages=st)
+                         for bn, st in ((64, 4), (128, 3)) for sk in (1, 2, 4, 8)]
+COLD_MS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key: str = "fp8_splitk",
-                    margin: float = 0.97) -> dict:
+                    margin: float = 0.97, cold_bytes: int = 0) -> dict:
     """For each shape and row count, torch._scaled_mm (as the engine runs it) against the split-K launches of grid
-    (CUDA-graph timing, weights hot in L2 as in any one-GEMM timing), bf16 outputs, each launch's error against
-    fp8_mm_ref; the table scaled_mm.FP8_SPLITK takes: for each row count where the best launch takes under margin x
-    cuBLAS's time, (rows, launch), the launch serving the row counts down to the previous entry. Rows and table go
-    to res[key + "_tune"] and res[key + "_table"]."""
+    (CUDA-graph timing, bf16 outputs), each launch's error against fp8_mm_ref; the table scaled_mm.FP8_SPLITK takes:
+    for each row count, (rows, the best launch) where it takes under margin x cuBLAS's time, else (rows, None), a
+    launch serving the row counts down to the previous entry (runs of one choice merged). cold_bytes 0: one weight,
+    hot in L2 as in any one-GEMM timing; else each timed call cycles through copies of the weight (at least
+    cold_bytes of them), so that, as in a decode step, none is still in L2. Rows and table go to res[key + "_tune"]
+    and res[key + "_table"]."""
     from vserve.kernels import scaled_mm, triton_fp8_mm, triton_ops
     from vserve.kernels.gpu_check import time_ms
 
@@ -497,21 +503,28 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
     rows, table = [], {}
     try:
         for K, N in shapes:
-            wq, ws = w8_weight("fp8", K, N, dev)
+            copies = [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
+            wq, ws = copies[0]
+
+            def each(f, *args, _c=copies, **kw):  # ms per GEMM
+                def run():
+                    for w, s in _c:
+                        f(*args[:2], w, s, *args[2:], **kw)
+                return time_ms(run, dev, iters=2 if cold_bytes else 20)[0] / len(_c)
+
             entries = []
             for M in ms:
                 xq, xs = triton_ops.per_token_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16),
                                                     torch.float8_e4m3fn)
                 ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, torch.bfloat16)
-                cublas = time_ms(partial(scaled_mm.fp8_mm, xq, xs, wq, ws, torch.bfloat16), dev)[0]
+                cublas = each(scaled_mm.fp8_mm, xq, xs, torch.bfloat16)
                 best = None
                 for cfg in grid:
                     if K % (cfg["split_k"] * cfg["block_k"]):
                         continue
                     try:
-                        fn = partial(triton_fp8_mm.fp8_mm_splitk, xq, xs, wq, ws, torch.bfloat16, **cfg)
-                        err = _rel(fn(), ref)
-                        t = time_ms(fn, dev)[0]
+                        err = _rel(triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, torch.bfloat16, **cfg), ref)
+                        t = each(triton_fp8_mm.fp8_mm_splitk, xq, xs, torch.bfloat16, **cfg)
                     except Exception as e:  # a launch that does not fit: keep the others
                         rows.append(dict(K=K, N=N, M=M, cfg=cfg, error=str(e)[:200]))
                         continue
@@ -519,29 +532,43 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
                     if err < 2e-2 and (best is None or t < best[0]):
                         best = (t, cfg)
                 won = best is not None and best[0] < margin * cublas
-                if won:
-                    entries.append((M, best[1]))
+                if entries and entries[-1][1] == (best[1] if won else None):
+                    entries.pop()  # the same choice as the row count below: one entry serves both
+                entries.append((M, best[1] if won else None))
                 print(f"fp8_splitk {K}x{N} M={M}: cublas {cublas:.4f} ms, best split-K "
                       + (f"{best[0]:.4f} ms {best[1]}" if best else "none") + (" (taken)" if won else ""), flush=True)
+            while entries and entries[-1][1] is None:  # past the last entry is cuBLAS anyway
+                entries.pop()
             if entries:
                 table[(K, N)] = tuple(entries)
+            del copies
     finally:
         scaled_mm.FP8_SPLITK = saved
     res[f"{key}_tune"] = rows
     res[f"{key}_table"] = {f"{K}x{N}": v for (K, N), v in table.items()}
+    print(f"{key} table: {table}", flush=True)
     return table
 
 
-def section_fp8_splitk(res: dict, base: dict) -> None:
-    """Tune the split-K table on this GPU (tune_fp8_splitk), then the throughput workload: FP8 W8A8 + fp8 KV with
-    cuBLAS only (first: it also takes the process's first-run compiles), bf16, FP8 with the table, FP8 without."""
+def section_fp8_splitk(res: dict, base: dict, cold: bool = False) -> None:
+    """Tune the split-K table on this GPU (tune_fp8_splitk), then the throughput workload. Hot (run 13): FP8 W8A8 +
+    fp8 KV with cuBLAS only (first: it also takes the process's first-run compiles), bf16, FP8 with the table, FP8
+    without. cold (weights cycled out of L2 while timing): one untimed-for-the-ratio run of each model, then bf16,
+    FP8 with the shipped table and FP8 with the cold-tuned one, alternated twice."""
     from vserve.kernels import scaled_mm
 
-    table = tune_fp8_splitk(res, "cuda", SHAPES)
     saved = scaled_mm.FP8_SPLITK
-    for label, q, kv, t in (("warm_cublas", "fp8", "fp8", {}), ("", "bf16", "auto", None),
-                            ("splitk", "fp8", "fp8", table), ("cublas", "fp8", "fp8", {}),
-                            ("splitk_r2", "fp8", "fp8", table)):
+    if cold:
+        table = tune_fp8_splitk(res, "cuda", SHAPES, COLD_MS, COLD_GRID, "fp8_splitk_cold", cold_bytes=256 << 20)
+        runs = [("warm", "fp8", "fp8", None), ("warm", "bf16", "auto", None)] + [
+            ("_".join(filter(None, (lbl, f"r{i}"))), q, kv, t) for i in (1, 2)
+            for lbl, q, kv, t in (("", "bf16", "auto", None), ("shipped", "fp8", "fp8", None),
+                                  ("cold", "fp8", "fp8", table))]
+    else:
+        table = tune_fp8_splitk(res, "cuda", SHAPES)
+        runs = [("warm_cublas", "fp8", "fp8", {}), ("", "bf16", "auto", None), ("splitk", "fp8", "fp8", table),
+                ("cublas", "fp8", "fp8", {}), ("splitk_r2", "fp8", "fp8", table)]
+    for label, q, kv, t in runs:
         scaled_mm.FP8_SPLITK = saved if t is None else t
         try:
             r = res[f"throughput_256_u100_1024_{q}_kv_{kv}" + (f"_{label}" if label else "")] = _run_256(base, q, kv)
@@ -796,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                     "fp8mm_triton": lambda r: tune_fp8_splitk(r, "cuda", SHAPES, args.fp8mm_ms, FP8_SPLITK_GRID,
                                                               "fp8mm_triton"),
                     "fp8_splitk": lambda r: section_fp8_splitk(r, LLAMA3_8B),
+                    "fp8_splitk_cold": lambda r: section_fp8_splitk(r, LLAMA3_8B, cold=True),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),

@@ -361,7 +361,7 @@ def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
             launches = [dict(block_m=16, block_n=32, block_k=32, split_k=sk, num_warps=4, num_stages=1)
                         for sk in (1, 2) if K % (32 * sk) == 0]
         else:
-            listed = [cfg for _, cfg in scaled_mm.FP8_SPLITK.get((K, N), ())]
+            listed = [cfg for _, cfg in scaled_mm.FP8_SPLITK.get((K, N), ()) if cfg is not None]
             launches = listed or [dict(block_m=64, block_n=64, block_k=128, split_k=sk, num_warps=4, num_stages=5)
                                   for sk in (1, 2) if K % (128 * sk) == 0]
         wq, ws = ops_ref.per_token_quant_ref(torch.randn(N, K, device=dev) * 0.05, torch.float8_e4m3fn)
@@ -372,9 +372,10 @@ def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
             for cfg in launches:
                 got = triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, **cfg)
                 err = float((got.float() - ref).abs().max())
-                rows.append(CheckRow("fp8_mm_splitk", f"{name} {proj} {K}x{N} M={M} bm={cfg['block_m']} "
-                                     f"bn={cfg['block_n']} split={cfg['split_k']}", str(dtype).removeprefix("torch."),
-                                     err, err <= 2e-2 * scale, "2e-2·max|ref|"))
+                label = (f"{name} {proj} {K}x{N} M={M} bm={cfg['block_m']} bn={cfg['block_n']} "
+                         f"bk={cfg['block_k']} split={cfg['split_k']}")
+                rows.append(CheckRow("fp8_mm_splitk", label, str(dtype).removeprefix("torch."), err,
+                                     err <= 2e-2 * scale, "2e-2·max|ref|"))
     return rows
 
 

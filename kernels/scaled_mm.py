@@ -54,30 +54,37 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 FAST_ACCUM = True
 
 
-def _L(block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int) -> dict:
-    return dict(block_m=block_m, block_n=block_n, block_k=128, split_k=split_k, num_warps=num_warps,
+def _L(block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, block_k: int = 128) -> dict:
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                 num_stages=num_stages)
 
 
 # Where the Triton split-K FP8 GEMM (kernels/triton_fp8_mm.py) beats torch._scaled_mm: (K, N) -> ((most rows,
-# launch), ...) in increasing rows, for compute capability 9.0. Tuned on an H200 (benchmarks/h200_quant.py
-# --sections fp8_splitk: the fastest of a launch grid at 16, 32, 64, 128, 192, 256 rows where it took under 0.97x
-# cuBLAS's time; docs/performance.md) for Llama-3-8B's four linears. Other shapes and row counts (prefill chunks)
-# go to torch._scaled_mm: cuBLAS runs all four with 128 x 128 tiles, which leaves most SMs idle at N = 4096 and a
-# few dozen rows.
-FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    (4096, 6144): ((64, _L(64, 64, 1, 4, 5)), (128, _L(64, 128, 1, 4, 4))),  # qkv_proj
-    (4096, 4096): ((16, _L(64, 64, 2, 4, 5)), (192, _L(64, 64, 1, 4, 5)), (256, _L(64, 128, 1, 4, 4))),  # o_proj
+# launch or None for cuBLAS), ...) in increasing rows, for compute capability 9.0. Tuned on an H200 with the weights
+# out of L2, as each GEMM of a decode step finds them (benchmarks/h200_quant.py --sections fp8_splitk_cold: the
+# fastest of a launch grid at the CUDA-graph batch sizes 16 to 256 where it took under 0.97x cuBLAS's time;
+# docs/performance.md) for Llama-3-8B's four linears. Other shapes and row counts (prefill chunks) go to
+# torch._scaled_mm: cuBLAS runs all four with 128 x 128 tiles, which leaves most SMs idle at N = 4096 and a few
+# dozen rows; from ~100 rows the Triton kernel's FP8 dots (~800 TFLOP/s here) fall behind cuBLAS's on gate_up.
+FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict | None], ...]] = {
+    (4096, 6144): ((64, _L(64, 64, 1, 4, 4, 256)), (128, _L(64, 64, 1, 4, 5))),  # qkv_proj
+    (4096, 4096): ((32, _L(64, 64, 2, 4, 4, 256)), (128, _L(64, 64, 1, 4, 4, 256)), (224, _L(64, 64, 1, 4, 5)),
+                   (256, _L(64, 128, 1, 4, 4))),  # o_proj
     (4096, 28672): ((64, _L(64, 128, 1, 4, 4)),),  # gate_up_proj
-    (14336, 4096): ((64, _L(64, 64, 4, 4, 5)), (128, _L(64, 64, 2, 4, 5)), (256, _L(64, 64, 1, 4, 5))),  # down_proj
+    (14336, 4096): ((64, _L(64, 64, 2, 4, 4, 256)), (128, _L(64, 64, 1, 4, 4, 256)), (192, _L(64, 64, 1, 4, 5))),
 }
 
 
 def fp8_splitk_launch(M: int, K: int, N: int, device: torch.device) -> dict | None:
     """The split-K launch for an [M, K] x [K, N] FP8 GEMM on device, or None for torch._scaled_mm."""
-    entries = FP8_SPLITK.get((K, N))
-    if not entries or device.type != "cuda" or _capability(device) != (9, 0):
+    if device.type != "cuda" or _capability(device) != (9, 0):
         return None
+    return table_launch(FP8_SPLITK.get((K, N), ()), M)
+
+
+def table_launch(entries: tuple[tuple[int, dict | None], ...], M: int) -> dict | None:
+    """The launch of the first entry (most rows, launch) with M <= most rows: None past the last entry, or where the
+    entry's launch is None (cuBLAS for the row counts it serves)."""
     return next((cfg for most, cfg in entries if M <= most), None)
 
 

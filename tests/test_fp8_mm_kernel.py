@@ -44,3 +44,16 @@ def test_fp8_mm_splitk_rejects_a_k_the_splits_do_not_divide():
     xq, xs, wq, ws = _operands(4, 32, 96)
     with pytest.raises(AssertionError):
         triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, torch.float32, split_k=2, **LAUNCH)
+
+
+def test_fp8_splitk_table_lookup_and_launches():
+    entries = ((32, dict(split_k=2)), (96, None), (128, dict(split_k=1)))
+    got = [scaled_mm.table_launch(entries, m) for m in (1, 32, 33, 96, 97, 128, 129)]
+    assert got == [dict(split_k=2), dict(split_k=2), None, None, dict(split_k=1), dict(split_k=1), None]
+    for (K, _N), rows in scaled_mm.FP8_SPLITK.items():  # every tuned launch is one fp8_mm_splitk can run at K
+        assert [m for m, _ in rows] == sorted({m for m, _ in rows})
+        for _, cfg in rows:
+            assert cfg is None or (K % (cfg["split_k"] * cfg["block_k"]) == 0
+                                   and set(cfg) == {"block_m", "block_n", "block_k", "split_k", "num_warps",
+                                                    "num_stages"})
+    assert scaled_mm.fp8_splitk_launch(16, 4096, 4096, torch.device("cpu")) is None  # sm_90 only
