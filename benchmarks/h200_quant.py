@@ -485,6 +485,12 @@ TUNE_MS = (16, 32, 64, 128, 192, 256)
 COLD_GRID = TUNE_GRID + [dict(block_m=64, block_n=bn, block_k=256, split_k=sk, num_warps=4, num_stages=st)
                          for bn, st in ((64, 4), (128, 3)) for sk in (1, 2, 4, 8)]
 COLD_MS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# swapped tiles (the weight rows on the dot's wide side), up to SWAP_MAX_M rows: 2 programs an SM where they fit
+SWAP_GRID = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st, swap=True)
+             for bm, bn, bk, st in ((16, 64, 256, 4), (16, 64, 128, 8), (16, 128, 256, 3), (32, 64, 256, 4),
+                                    (32, 64, 128, 6), (32, 128, 128, 4))
+             for sk in (1, 2, 4, 8)]
+SWAP_MAX_M = 128
 
 
 def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key: str = "fp8_splitk",
@@ -520,7 +526,7 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
                 cublas = each(scaled_mm.fp8_mm, xq, xs, torch.bfloat16)
                 best = None
                 for cfg in grid:
-                    if K % (cfg["split_k"] * cfg["block_k"]):
+                    if K % (cfg["split_k"] * cfg["block_k"]) or (cfg.get("swap") and M > SWAP_MAX_M):
                         continue
                     try:
                         err = _rel(triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, torch.bfloat16, **cfg), ref)
@@ -559,7 +565,8 @@ def section_fp8_splitk(res: dict, base: dict, cold: bool = False) -> None:
 
     saved = scaled_mm.FP8_SPLITK
     if cold:
-        table = tune_fp8_splitk(res, "cuda", SHAPES, COLD_MS, COLD_GRID, "fp8_splitk_cold", cold_bytes=256 << 20)
+        table = tune_fp8_splitk(res, "cuda", SHAPES, COLD_MS, COLD_GRID + SWAP_GRID, "fp8_splitk_cold",
+                                cold_bytes=256 << 20)
         runs = [("warm", "fp8", "fp8", None), ("warm", "bf16", "auto", None)] + [
             ("_".join(filter(None, (lbl, f"r{i}"))), q, kv, t) for i in (1, 2)
             for lbl, q, kv, t in (("", "bf16", "auto", None), ("shipped", "fp8", "fp8", None),

@@ -347,9 +347,9 @@ def check_sampling(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny:
 
 def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
     """The split-K FP8 GEMM (triton_fp8_mm) against fp8_mm_ref on the model's four linear shapes, with each launch
-    scaled_mm.FP8_SPLITK holds for the shape (a one- and a two-split launch for shapes it does not list), at a few
-    row counts. Tolerance 2% of the output's largest value: the bf16/fp16 rounding plus sm_90's FP8 accumulation,
-    which is not a full fp32 sum (1.0% measured at K = 14336, as cuBLAS's fast accumulation)."""
+    scaled_mm.FP8_SPLITK holds for the shape (one- and two-split launches, swapped or not, for shapes it does not
+    list), at a few row counts. Tolerance 2% of the output's largest value: the bf16/fp16 rounding plus sm_90's FP8
+    accumulation, which is not a full fp32 sum (1.0% measured at K = 14336, as cuBLAS's fast accumulation)."""
     from vserve.kernels import ops_ref, scaled_mm, triton_fp8_mm
 
     shapes = {"qkv": (m.hidden, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim),
@@ -358,12 +358,13 @@ def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
     rows = []
     for proj, (K, N) in shapes.items():
         if tiny:
-            launches = [dict(block_m=16, block_n=32, block_k=32, split_k=sk, num_warps=4, num_stages=1)
-                        for sk in (1, 2) if K % (32 * sk) == 0]
+            launches = [dict(block_m=16, block_n=32, block_k=32, split_k=sk, num_warps=4, num_stages=1, swap=sw)
+                        for sk in (1, 2) if K % (32 * sk) == 0 for sw in (False, True)]
         else:
             listed = [cfg for _, cfg in scaled_mm.FP8_SPLITK.get((K, N), ()) if cfg is not None]
-            launches = listed or [dict(block_m=64, block_n=64, block_k=128, split_k=sk, num_warps=4, num_stages=5)
-                                  for sk in (1, 2) if K % (128 * sk) == 0]
+            launches = listed or [dict(block_m=bm, block_n=64, block_k=128, split_k=sk, num_warps=4, num_stages=st,
+                                       swap=bm < 64) for sk in (1, 2) if K % (128 * sk) == 0
+                                  for bm, st in ((64, 5), (16, 6))]
         wq, ws = ops_ref.per_token_quant_ref(torch.randn(N, K, device=dev) * 0.05, torch.float8_e4m3fn)
         for M in ((1, 5, 33) if tiny else (1, 16, 100, 256)):
             xq, xs = ops_ref.per_token_quant_ref(torch.randn(M, K, device=dev), torch.float8_e4m3fn)
@@ -373,7 +374,7 @@ def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
                 got = triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, **cfg)
                 err = float((got.float() - ref).abs().max())
                 label = (f"{name} {proj} {K}x{N} M={M} bm={cfg['block_m']} bn={cfg['block_n']} "
-                         f"bk={cfg['block_k']} split={cfg['split_k']}")
+                         f"bk={cfg['block_k']} split={cfg['split_k']}" + (" swap" if cfg.get("swap") else ""))
                 rows.append(CheckRow("fp8_mm_splitk", label, str(dtype).removeprefix("torch."), err,
                                      err <= 2e-2 * scale, "2e-2·max|ref|"))
     return rows

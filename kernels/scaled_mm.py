@@ -54,24 +54,29 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 FAST_ACCUM = True
 
 
-def _L(block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, block_k: int = 128) -> dict:
+def _L(block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, block_k: int = 128,
+       swap: bool = False) -> dict:
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, swap=swap)
 
 
 # Where the Triton split-K FP8 GEMM (kernels/triton_fp8_mm.py) beats torch._scaled_mm: (K, N) -> ((most rows,
 # launch or None for cuBLAS), ...) in increasing rows, for compute capability 9.0. Tuned on an H200 with the weights
 # out of L2, as each GEMM of a decode step finds them (benchmarks/h200_quant.py --sections fp8_splitk_cold: the
-# fastest of a launch grid at the CUDA-graph batch sizes 16 to 256 where it took under 0.97x cuBLAS's time;
-# docs/performance.md) for Llama-3-8B's four linears. Other shapes and row counts (prefill chunks) go to
-# torch._scaled_mm: cuBLAS runs all four with 128 x 128 tiles, which leaves most SMs idle at N = 4096 and a few
-# dozen rows; from ~100 rows the Triton kernel's FP8 dots (~800 TFLOP/s here) fall behind cuBLAS's on gate_up.
+# fastest of a launch grid, swapped tiles included, at the CUDA-graph batch sizes 16 to 256 where it took under
+# 0.97x cuBLAS's time; docs/performance.md) for Llama-3-8B's four linears. Other shapes and row counts (prefill
+# chunks) go to torch._scaled_mm: cuBLAS runs all four with 128 x 128 tiles, which leaves most SMs idle at N = 4096
+# and a few dozen rows; from ~100 rows the Triton kernel's FP8 dots (~800 TFLOP/s here) fall behind cuBLAS's on
+# gate_up.
 FP8_SPLITK: dict[tuple[int, int], tuple[tuple[int, dict | None], ...]] = {
-    (4096, 6144): ((64, _L(64, 64, 1, 4, 4, 256)), (128, _L(64, 64, 1, 4, 5))),  # qkv_proj
-    (4096, 4096): ((32, _L(64, 64, 2, 4, 4, 256)), (128, _L(64, 64, 1, 4, 4, 256)), (224, _L(64, 64, 1, 4, 5)),
-                   (256, _L(64, 128, 1, 4, 4))),  # o_proj
-    (4096, 28672): ((64, _L(64, 128, 1, 4, 4)),),  # gate_up_proj
-    (14336, 4096): ((64, _L(64, 64, 2, 4, 4, 256)), (128, _L(64, 64, 1, 4, 4, 256)), (192, _L(64, 64, 1, 4, 5))),
+    (4096, 6144): ((16, _L(16, 64, 1, 4, 8, swap=True)), (32, _L(32, 64, 1, 4, 4, 256, swap=True)),
+                   (64, _L(64, 64, 1, 4, 4, 256)), (128, _L(64, 64, 1, 4, 5))),  # qkv_proj
+    (4096, 4096): ((16, _L(16, 64, 1, 4, 8, swap=True)), (48, _L(32, 64, 1, 4, 4, 256, swap=True)),
+                   (128, _L(64, 64, 1, 4, 4, 256)), (256, _L(64, 64, 1, 4, 5))),  # o_proj
+    (4096, 28672): ((16, _L(16, 128, 1, 4, 3, 256, swap=True)), (32, _L(32, 128, 1, 4, 4, swap=True)),
+                    (64, _L(64, 128, 1, 4, 4))),  # gate_up_proj
+    (14336, 4096): ((16, _L(16, 64, 2, 4, 8, swap=True)), (32, _L(32, 64, 2, 4, 4, 256, swap=True)),
+                    (64, _L(64, 64, 2, 4, 4, 256)), (128, _L(64, 64, 1, 4, 4, 256)), (192, _L(64, 64, 1, 4, 5))),
 }
 
 

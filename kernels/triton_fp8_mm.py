@@ -23,9 +23,12 @@ from vserve.kernels.triton_ops import arrival_counts
 @triton.jit(do_not_specialize=["M"])  # the row count changes from step to step: no variant per "M % 16 == 0"
 def _fp8_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, part_ptr, out_ptr, count_ptr, M, N, K_SPLIT, stride_am, stride_bn,
                    stride_om, stride_ps, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
     """Program (n tile, m tile, k split): a [BLOCK_M, BLOCK_N] tile over K_SPLIT columns of K (a multiple of
-    BLOCK_K). a [M, K] and b [N, K] e4m3, both K-contiguous (the operand order the FP8 tensor-core dot wants)."""
+    BLOCK_K). a [M, K] and b [N, K] e4m3, both K-contiguous (the operand order the FP8 tensor-core dot wants).
+    SWAP: the tile is computed transposed, b's [BLOCK_N, BLOCK_K] times a's rows transposed, so that the weight rows
+    fill the tensor-core instruction's 64-row side and a few dozen tokens its narrow side (BLOCK_M down to 16),
+    instead of padding the tokens to 64 rows (the small-M FP8 kernels of CUTLASS swap A and B alike)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -35,15 +38,27 @@ def _fp8_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, part_ptr, out_ptr, count_ptr, M
     mmask = rm < M
     nmask = rn < N
     k0 = pid_k.to(tl.int64) * K_SPLIT
-    a_ptrs = a_ptr + k0 + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    b_ptrs = b_ptr + k0 + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for _ in range(0, K_SPLIT, BLOCK_K):
-        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if SWAP:
+        a_ptrs = a_ptr + k0 + rm[None, :].to(tl.int64) * stride_am + rk[:, None]  # [BLOCK_K, BLOCK_M]
+        b_ptrs = b_ptr + k0 + rn[:, None].to(tl.int64) * stride_bn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0)
+            acc_t = tl.dot(b, a, acc_t)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        a_ptrs = a_ptr + k0 + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+        b_ptrs = b_ptr + k0 + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     xs = tl.load(as_ptr + rm, mask=mmask, other=0.0)
     ws = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
     o_blk = tl.make_block_ptr(out_ptr, (M, N), (stride_om, 1), (pid_m * BLOCK_M, pid_n * BLOCK_N), (BLOCK_M, BLOCK_N),
@@ -68,9 +83,10 @@ def _fp8_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, part_ptr, out_ptr, count_ptr, M
 
 def fp8_mm_splitk(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   out_dtype: torch.dtype, *, block_m: int = 128, block_n: int = 128, block_k: int = 128,
-                  split_k: int = 1, num_warps: int = 8, num_stages: int = 4) -> torch.Tensor:
+                  split_k: int = 1, num_warps: int = 8, num_stages: int = 4, swap: bool = False) -> torch.Tensor:
     """As scaled_mm.fp8_mm_ref: xq e4m3 [M, K] with x_scale fp32 [M, 1], weight e4m3 [N, K] with weight_scale fp32
-    [N, 1] -> [M, N] in out_dtype. K must be a multiple of split_k * block_k."""
+    [N, 1] -> [M, N] in out_dtype. K must be a multiple of split_k * block_k. swap: each tile computed transposed
+    (weight rows on the dot's wide side; for block_m < 64)."""
     M, K = xq.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and K % (split_k * block_k) == 0, (xq.shape, weight.shape, split_k, block_k)
@@ -86,5 +102,5 @@ def fp8_mm_splitk(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     _fp8_mm_kernel[grid](xq, weight, x_scale.reshape(-1), weight_scale.reshape(-1), part, out,
                          counts if counts is not None else out, M, N, K // split_k, xq.stride(0), weight.stride(0),
                          out.stride(0), M * N, SPLIT=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         num_warps=num_warps, num_stages=num_stages)
+                         SWAP=swap, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -26,17 +26,20 @@ def _operands(M: int, N: int, K: int):
 
 @pytest.mark.parametrize("M,N,K,split", [(1, 32, 128, 1), (5, 64, 256, 2), (33, 96, 512, 4), (17, 40, 192, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fp8_mm_splitk_matches_reference(seed, M, N, K, split, dtype):
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_mm_splitk_matches_reference(seed, M, N, K, split, dtype, swap):
+    """swap: each tile computed transposed (the weight rows on the dot's wide side)."""
     xq, xs, wq, ws = _operands(M, N, K)
     ref = scaled_mm.fp8_mm_ref(xq, xs, wq, ws, dtype)
-    got = triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, split_k=split, **LAUNCH)
+    got = triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, split_k=split, swap=swap, **LAUNCH)
     assert got.dtype == dtype and got.shape == (M, N)
     # the same fp32 products; only the order of the fp32 sums differs (splits, tiles of the dot)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(got.float(), ref.float(), atol=tol * float(ref.abs().max()), rtol=tol,
                                msg=lambda m: f"{m}\n(torch.manual_seed({seed}))")
     if split > 1:
-        assert torch.equal(got, triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, split_k=split, **LAUNCH))
+        assert torch.equal(got, triton_fp8_mm.fp8_mm_splitk(xq, xs, wq, ws, dtype, split_k=split, swap=swap,
+                                                             **LAUNCH))
         assert int(triton_ops.arrival_counts(xq.device, 1).abs().sum()) == 0
 
 
@@ -54,6 +57,6 @@ def test_fp8_splitk_table_lookup_and_launches():
         assert [m for m, _ in rows] == sorted({m for m, _ in rows})
         for _, cfg in rows:
             assert cfg is None or (K % (cfg["split_k"] * cfg["block_k"]) == 0
-                                   and set(cfg) == {"block_m", "block_n", "block_k", "split_k", "num_warps",
-                                                    "num_stages"})
+                                   and set(cfg) <= {"block_m", "block_n", "block_k", "split_k", "num_warps",
+                                                    "num_stages", "swap"})
     assert scaled_mm.fp8_splitk_launch(16, 4096, 4096, torch.device("cpu")) is None  # sm_90 only
