@@ -38,27 +38,17 @@ def _fp8_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, part_ptr, out_ptr, count_ptr, M
     mmask = rm < M
     nmask = rn < N
     k0 = pid_k.to(tl.int64) * K_SPLIT
+    a_ptrs = a_ptr + k0 + rm[:, None].to(tl.int64) * stride_am + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = b_ptr + k0 + rn[:, None].to(tl.int64) * stride_bn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
+        acc = tl.dot(b, tl.trans(a), acc) if SWAP else tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     if SWAP:
-        a_ptrs = a_ptr + k0 + rm[None, :].to(tl.int64) * stride_am + rk[:, None]  # [BLOCK_K, BLOCK_M]
-        b_ptrs = b_ptr + k0 + rn[:, None].to(tl.int64) * stride_bn + rk[None, :]  # [BLOCK_N, BLOCK_K]
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for _ in range(0, K_SPLIT, BLOCK_K):
-            b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
-            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0)
-            acc_t = tl.dot(b, a, acc_t)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)
-    else:
-        a_ptrs = a_ptr + k0 + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-        b_ptrs = b_ptr + k0 + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for _ in range(0, K_SPLIT, BLOCK_K):
-            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        acc = tl.trans(acc)
     xs = tl.load(as_ptr + rm, mask=mmask, other=0.0)
     ws = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
     o_blk = tl.make_block_ptr(out_ptr, (M, N), (stride_om, 1), (pid_m * BLOCK_M, pid_n * BLOCK_N), (BLOCK_M, BLOCK_N),
