@@ -512,10 +512,10 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
             copies = [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
             wq, ws = copies[0]
 
-            def each(f, *args, _c=copies, **kw):  # ms per GEMM
+            def each(f, xq, xs, out_dtype, _c=copies, **kw):  # ms per GEMM f(xq, xs, weight, scale, out_dtype)
                 def run():
                     for w, s in _c:
-                        f(*args[:2], w, s, *args[2:], **kw)
+                        f(xq, xs, w, s, out_dtype, **kw)
                 return time_ms(run, dev, iters=2 if cold_bytes else 20)[0] / len(_c)
 
             entries = []
