@@ -556,6 +556,43 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
     return table
 
 
+def section_fp8mm_swap(res: dict, dev: str, shapes, ms=(64, 96, 128, 160, 192, 224, 256),
+                       cold_bytes: int = 256 << 20) -> None:
+    """cuBLAS's FP8 GEMM with its operands swapped (W Xᵀ, the [N, M] output then copied back to a contiguous
+    [M, N]) against the plain call, both as scaled_mm.fp8_mm calls it (row-wise scales, fast accumulation, bf16 out),
+    timed cycling through cold_bytes of weight copies (cold, as in a decode step), with the error of each against
+    fp8_mm_ref: whether the tokens on cuBLAS's N side avoid its jump to two 128-row tiles past 128 rows."""
+    from vserve.kernels import scaled_mm, triton_ops
+    from vserve.kernels.gpu_check import time_ms
+
+    rows = []
+    for K, N in shapes:
+        copies = [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
+        for M in ms:
+            xq, xs = triton_ops.per_token_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16),
+                                                torch.float8_e4m3fn)
+
+            def plain(w, s, _x=xq, _xs=xs):
+                return torch._scaled_mm(_x, w.t(), scale_a=_xs, scale_b=s.reshape(1, -1), out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+            def swapped(w, s, _x=xq, _xs=xs):
+                return torch._scaled_mm(w, _x.t(), scale_a=s.reshape(-1, 1), scale_b=_xs.reshape(1, -1),
+                                        out_dtype=torch.bfloat16, use_fast_accum=True).t().contiguous()
+
+            ref = scaled_mm.fp8_mm_ref(xq, xs, *copies[0], torch.bfloat16)
+            row = dict(K=K, N=N, M=M)
+            for name, f in (("plain", plain), ("swapped", swapped)):
+                row[f"{name}_rel_err"] = _rel(f(*copies[0]), ref)
+                ms_all = time_ms(lambda _f=f, _c=copies: [_f(w, s) for w, s in _c], dev, iters=2)[0]
+                row[f"{name}_ms"] = ms_all / len(copies)
+            rows.append(row)
+            print(f"fp8mm_swap {K}x{N} M={M}: plain {row['plain_ms']:.4f} ms, swapped {row['swapped_ms']:.4f} ms "
+                  f"(errors {row['plain_rel_err']:.2e}, {row['swapped_rel_err']:.2e})", flush=True)
+        del copies
+    res["fp8mm_swap"] = rows
+
+
 def section_fp8_splitk(res: dict, base: dict, cold: bool = False) -> None:
     """Tune the split-K table on this GPU (tune_fp8_splitk), then the throughput workload. Hot (run 13): FP8 W8A8 +
     fp8 KV with cuBLAS only (first: it also takes the process's first-run compiles), bf16, FP8 with the table, FP8
@@ -831,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               "fp8mm_triton"),
                     "fp8_splitk": lambda r: section_fp8_splitk(r, LLAMA3_8B),
                     "fp8_splitk_cold": lambda r: section_fp8_splitk(r, LLAMA3_8B, cold=True),
+                    "fp8mm_swap": lambda r: section_fp8mm_swap(r, "cuda", SHAPES),
                     "throughput_fast": lambda r: section_throughput_fast(r, LLAMA3_8B),
                     "throughput_pair": lambda r: section_throughput_pair(r, LLAMA3_8B),
                     "throughput_partition": lambda r: section_throughput_partition(r, LLAMA3_8B),
