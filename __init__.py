@@ -3,7 +3,17 @@
 `from vserve import LLM, SamplingParams` imports torch lazily, so `vserve --help` stays fast.
 """
 
+import sys as _sys
+from pathlib import Path as _Path
+
 __version__ = "0.1.0"
+
+# The repository root is this package (pyproject: package-dir {"vserve" = "."}). Where the root is also on sys.path
+# (`python -m ...` or `python -c` run in a checkout, `python -m pytest`), its folders import as top-level packages
+# too and shadow installed distributions of the same name: transformers >= 5.25 imports the `kernels` distribution,
+# and got vserve's kernels/ folder. Nothing is imported from the root but through `vserve`: take it off the path.
+_ROOT = _Path(__file__).resolve().parent
+_sys.path[:] = [p for p in _sys.path if _Path(p or ".").resolve() != _ROOT]
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]
 

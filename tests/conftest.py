@@ -16,6 +16,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+import vserve  # noqa: E402, F401  (first: it takes the checkout's root off sys.path before transformers is imported)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 

@@ -1,5 +1,7 @@
 """The repo root is the vserve package: pyproject's explicit package list matches the folders."""
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -30,3 +32,13 @@ def test_no_stray_python_files_at_root():
 def test_every_code_folder_is_a_package():
     for folder in ("cli", "core", "kernels", "core/layers", "core/models"):
         assert (ROOT / folder / "__init__.py").exists(), folder
+
+
+def test_the_checkout_root_does_not_shadow_installed_packages():
+    """Run in a checkout's root (`python -c`, `python -m`), the root is on sys.path and its folders (kernels/, core/,
+    ...) would import as top-level packages, e.g. in place of the `kernels` distribution transformers >= 5.25
+    imports. Importing vserve takes the root off the path."""
+    code = ("import importlib.util, vserve; s = importlib.util.find_spec('kernels'); "
+            "print(s.origin if s else None)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert str(ROOT / "kernels") not in res.stdout, res.stdout
