@@ -493,6 +493,19 @@ SWAP_GRID = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=4, n
 SWAP_MAX_M = 128
 
 
+def _fp8_weight_copies(K: int, N: int, dev: str, cold_bytes: int) -> list:
+    """FP8 [N, K] weights with their channel scales: one, or at least cold_bytes of copies, so that cycling through
+    them finds each out of L2, as a decode step finds its layers' weights."""
+    return [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
+
+
+def _ms_per_weight(gemm, copies: list, dev: str, iters: int) -> float:
+    """ms per call of gemm(weight, scale), timed over a CUDA graph of iters passes through copies."""
+    from vserve.kernels.gpu_check import time_ms
+
+    return time_ms(lambda: [gemm(w, s) for w, s in copies], dev, iters=iters)[0] / len(copies)
+
+
 def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key: str = "fp8_splitk",
                     margin: float = 0.97, cold_bytes: int = 0) -> dict:
     """For each shape and row count, torch._scaled_mm (as the engine runs it) against the split-K launches of grid
@@ -503,20 +516,17 @@ def tune_fp8_splitk(res: dict, dev: str, shapes, ms=TUNE_MS, grid=TUNE_GRID, key
     cold_bytes of them), so that, as in a decode step, none is still in L2. Rows and table go to res[key + "_tune"]
     and res[key + "_table"]."""
     from vserve.kernels import scaled_mm, triton_fp8_mm, triton_ops
-    from vserve.kernels.gpu_check import time_ms
 
     saved, scaled_mm.FP8_SPLITK = scaled_mm.FP8_SPLITK, {}
     rows, table = [], {}
     try:
         for K, N in shapes:
-            copies = [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
+            copies = _fp8_weight_copies(K, N, dev, cold_bytes)
             wq, ws = copies[0]
 
             def each(f, xq, xs, out_dtype, _c=copies, **kw):  # ms per GEMM f(xq, xs, weight, scale, out_dtype)
-                def run():
-                    for w, s in _c:
-                        f(xq, xs, w, s, out_dtype, **kw)
-                return time_ms(run, dev, iters=2 if cold_bytes else 20)[0] / len(_c)
+                return _ms_per_weight(lambda w, s: f(xq, xs, w, s, out_dtype, **kw), _c, dev,
+                                      2 if cold_bytes else 20)
 
             entries = []
             for M in ms:
@@ -563,11 +573,10 @@ def section_fp8mm_swap(res: dict, dev: str, shapes, ms=(64, 96, 128, 160, 192, 2
     timed cycling through cold_bytes of weight copies (cold, as in a decode step), with the error of each against
     fp8_mm_ref: whether the tokens on cuBLAS's N side avoid its jump to two 128-row tiles past 128 rows."""
     from vserve.kernels import scaled_mm, triton_ops
-    from vserve.kernels.gpu_check import time_ms
 
     rows = []
     for K, N in shapes:
-        copies = [w8_weight("fp8", K, N, dev) for _ in range(max(1, -(-cold_bytes // (K * N))))]
+        copies = _fp8_weight_copies(K, N, dev, cold_bytes)
         for M in ms:
             xq, xs = triton_ops.per_token_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16),
                                                 torch.float8_e4m3fn)
@@ -584,8 +593,7 @@ def section_fp8mm_swap(res: dict, dev: str, shapes, ms=(64, 96, 128, 160, 192, 2
             row = dict(K=K, N=N, M=M)
             for name, f in (("plain", plain), ("swapped", swapped)):
                 row[f"{name}_rel_err"] = _rel(f(*copies[0]), ref)
-                ms_all = time_ms(lambda _f=f, _c=copies: [_f(w, s) for w, s in _c], dev, iters=2)[0]
-                row[f"{name}_ms"] = ms_all / len(copies)
+                row[f"{name}_ms"] = _ms_per_weight(f, copies, dev, 2)
             rows.append(row)
             print(f"fp8mm_swap {K}x{N} M={M}: plain {row['plain_ms']:.4f} ms, swapped {row['swapped_ms']:.4f} ms "
                   f"(errors {row['plain_rel_err']:.2e}, {row['swapped_rel_err']:.2e})", flush=True)
