@@ -142,9 +142,11 @@ def section_correct(res: dict, dev: str, shapes, ms, dtypes) -> None:
                         rel, err = _rel(got, ref), ""
                     except Exception as e:  # an unsupported dtype/shape of this torch: say so, keep going
                         rel, err = float("nan"), f"{type(e).__name__}: {str(e)[:160]}"
+                    # FP8: the split-K kernel's dots accumulate as fast accumulation does, in fp16 too (scaled_mm)
+                    limit = tol[torch.bfloat16] if kind == "fp8" else tol[dtype]
                     rows.append(dict(kernel=f"{kind}_linear", layout="channel", K=K, N=N, M=M,
                                      dtype=str(dtype).split(".")[-1], rel_err=rel, quant_exact=exact,
-                                     ok=exact and rel <= tol[dtype], error=err))
+                                     ok=exact and rel <= limit, error=err))
     res["correct"] = rows
 
 
@@ -337,6 +339,8 @@ def section_smoke_e2e(res: dict) -> None:
 
 GEMV_COLD_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (512, 1024, 2048) for bk in (4, 8)
                   for w in (4, 8) for sk in (8, 16, 32, 64) if bn * bk <= 8192]
+GEMV_COLD_GRID_WIDE = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (256, 512, 1024)
+                       for bk in (8, 16) for w in (2, 4) for sk in (8, 16, 32, 64, 128) if bn * bk <= 8192]
 GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (512, 1024, 2048) for bk in (4, 8, 16)
              for w in (2, 4, 8) for sk in (2, 4, 8, 16, 32)]
 
@@ -408,20 +412,22 @@ def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False
     res["gemv_cold" if cold else "gemv"] = rows
 
 
-def section_bs1_awq(res: dict, base: dict) -> None:
+def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
     """Batch-1 decode, bf16 against AWQ with the default GEMV launch and with the gemv section's best launch per
-    shape (when that section ran first in this process)."""
+    shape (when that section ran first in this process). runs: (result key, quantization, best-launch table or
+    None, {triton_w4a16 attribute: value} to set for the run) instead."""
     from h200_engine import run_vserve, workload
 
     from vserve.kernels import triton_w4a16
 
     p, _ = workload(1, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
-    runs = [("bf16", None), ("awq", None)]
-    best = {(r["K"], r["N"]): r["best"][0] for r in res.get("gemv_cold", res.get("gemv", [])) if r.get("best")}
-    if best:
-        runs.append(("awq", best))
+    if runs is None:
+        runs = [("bs1_in128_out512_bf16", "bf16", None, {}), ("bs1_in128_out512_awq", "awq", None, {})]
+        best = _best_launches(res.get("gemv_cold", res.get("gemv", [])))
+        if best:
+            runs.append(("bs1_in128_out512_awq_gemv_best", "awq", best, {}))
     orig = triton_w4a16._config
-    for q, table in runs:
+    for key, q, table, attrs in runs:
         if table:
             def tuned(M, N, K, device, layout="", _t=table):
                 c = _t.get((K, N))
@@ -430,11 +436,45 @@ def section_bs1_awq(res: dict, base: dict) -> None:
                                                                                "split_k")})
                 return orig(M, N, K, device, layout)
             triton_w4a16._config = tuned
+        saved = {a: getattr(triton_w4a16, a) for a in attrs}
         try:
-            key = f"bs1_in128_out512_{q}" + ("_gemv_best" if table else "")
+            for a, v in attrs.items():
+                setattr(triton_w4a16, a, v)
             res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, [512], max_num_seqs=8, enforce_eager=False))
         finally:
             triton_w4a16._config = orig
+            for a, v in saved.items():
+                setattr(triton_w4a16, a, v)
+
+
+def _best_launches(rows: list[dict]) -> dict:
+    """{(K, N): the fastest launch} from section_gemv's rows."""
+    return {(r["K"], r["N"]): r["best"][0] for r in rows if r.get("best")}
+
+
+def section_awq_variants(res: dict, base: dict, name: str, attr: str, values: tuple, grid=GEMV_COLD_GRID) -> None:
+    """Variants of the AWQ GEMV (triton_w4a16.<attr> set to each of values in turn, e.g. AWQ_FIXUP_UNROLL): each
+    checked and timed cold over the launch grid, then batch-1 decode beside bf16 with each one's default and best
+    launches (results under name)."""
+    from vserve.kernels import triton_w4a16
+
+    default, best = getattr(triton_w4a16, attr), {}
+    try:
+        for v in values:
+            setattr(triton_w4a16, attr, v)
+            sub: dict = {}
+            section_gemv(sub, "cuda", SHAPES, grid, cold=True)
+            res[f"{name}_gemv_cold_{v}"], res[f"{name}_gemv_correct_{v}"] = sub["gemv_cold"], sub["gemv_correct"]
+            best[v] = _best_launches(sub["gemv_cold"])
+    finally:
+        setattr(triton_w4a16, attr, default)
+    runs = [(f"{name}_bs1_bf16", "bf16", None, {})]
+    for v in values:
+        runs += [(f"{name}_bs1_{v}_default", "awq", None, {attr: v}),
+                 (f"{name}_bs1_{v}_best", "awq", best[v], {attr: v})]
+    runs += [(f"{name}_bs1_bf16_again", "bf16", None, {})] + [(f"{name}_bs1_{v}_default_again", "awq", None, {attr: v})
+                                                               for v in values]
+    section_bs1_awq(res, base, runs)
 
 
 def section_fp8mm(res: dict, dev: str, shapes, ms=(256, 2048)) -> None:
@@ -825,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
                          "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn (after decode_sweep.py), "
-                         "profile_fp8_256, ...")
+                         "awq_fixup, profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--fp8mm-ms", type=lambda v: [int(m) for m in v.split(",")], default=[256, 2048],
@@ -871,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                     "profile_run": lambda r: (section_profile_run(r, LLAMA3_8B, "bf16", "bf16", "auto"),
                                               section_profile_run(r, LLAMA3_8B, "fp8", "fp8", "fp8")),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
+                    "awq_fixup": lambda r: section_awq_variants(r, LLAMA3_8B, "awq_fixup", "AWQ_FIXUP_UNROLL", (1, 8),
+                                                                GEMV_COLD_GRID_WIDE),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
                     "fp8mm_triton": lambda r: tune_fp8_splitk(r, "cuda", SHAPES, args.fp8mm_ms, FP8_SPLITK_GRID,
                                                               "fp8mm_triton"),

@@ -29,6 +29,7 @@ import triton.language as tl
 from vserve.kernels.triton_ops import arrival_counts
 
 DEQUANT_M = 1024  # from this many rows on, dequantize + cuBLAS beats the fused kernel (benchmarks/h200_quant.py)
+AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued this many at a time
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
 
 
@@ -178,15 +179,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_s
 
 
 @triton.jit
-def _awq_field_sum(word, zword, x, magic, PP: tl.constexpr):
-    """sum over axis 1 of x (q - z) 2^(4 PP) for the 4-bit field at bits 4PP..4PP+3 (PP <= 4) of each word
-    [WK, BLOCK_K, W] (x [WK, BLOCK_K], zword [W]): the field is OR-ed into the mantissa of 2^23 (float
-    2^23 + q 2^(4PP), exact: no int-to-float conversion) and 2^23 + z 2^(4PP) is subtracted (exact): one
-    AND-OR, one add and one FMA per code. magic is 2^23's bits, passed at run time so that the compiler fuses
-    the AND and the OR into one LOP3."""
-    f = ((word & (15 << (4 * PP))) | magic).to(tl.float32, bitcast=True)
-    c = ((zword >> (4 * PP)) & 15).to(tl.float32) * float(1 << (4 * PP)) + 8388608.0
-    return tl.sum(x[:, :, None] * (f - c[None, None, :]), axis=1)
+def _awq_field_sum(word, x, magic):
+    """sum over axis 1 of x (M + q) for the 4-bit field at bits 16..19 of each word [WK, BLOCK_K, W]: the field
+    OR-ed into the mantissa of M = 2^7 (magic: M's bits), which gives the float M + q exactly, with one AND-OR and
+    one FMA per code, no conversion; the caller takes (M + z) sum x off once per group. A small M keeps the
+    rounding of the sums small: 2^-17 of M max|x| per addition, below the last bit of any bf16 or fp16 output
+    that a code contributes to even with activations 1000x the others."""
+    f = ((word & (15 << 16)) | magic).to(tl.float32, bitcast=True)
+    return tl.sum(x[:, :, None] * f, axis=1)
 
 
 @triton.jit
@@ -204,12 +204,13 @@ def _awq_tile(x_ptr, qw_ptr, k, nw, w_mask, k_end, stride_qk, EVEN: tl.constexpr
 def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N, K, group_size, k_per_split,
                      n_split, stride_qk, stride_sg, stride_zg, stride_psplit, magic, DIRECT: tl.constexpr,
                      FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                     WK: tl.constexpr):
+                     WK: tl.constexpr, FIXUP_UNROLL: tl.constexpr):
     """One row of x (batch-1 decode) times the AutoAWQ 4-bit layout (qweight [K, N/8], value j of a word in field
     (0, 4, 1, 5, 2, 6, 3, 7)[j]). A program holds BLOCK_W words of columns (8 BLOCK_W outputs) for one K-split;
     each K-tile is [WK, BLOCK_K, BLOCK_W] words, the WK slices (one per warp) summed apart until the end, so the
-    loop reduces only inside threads. Per group it sums x (q - z) per column and field position and applies the
-    group's scale once (splits start on group boundaries and hold whole tiles). Split partials go to part_ptr
+    loop reduces only inside threads. Per group it sums x (M + q) per column and field position (_awq_field_sum),
+    takes (M + z) sum x off and applies the group's scale once (splits start on group boundaries and hold whole
+    tiles). Split partials go to part_ptr
     [n_split, N] fp32; with FIXUP the last program of each column block to finish (an atomic count in lock_ptr,
     reset to 0 after) sums them in split order into out_ptr, so the call is one deterministic kernel. DIRECT: a
     single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole tiles: no masks on the main
@@ -227,35 +228,46 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
     for g0 in range(k_start, k_end, group_size):  # one group: its scales and zeros are loaded once
         g = g0 // group_size
         zw = tl.load(z_ptr + g * stride_zg + nw, mask=w_mask, other=0)
-        zhi = zw >> 12
         t0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
         t1, t2, t3, t4, t5, t6, t7 = t0, t0, t0, t0, t0, t0, t0
+        sx = tl.zeros((WK,), dtype=tl.float32)
         for k0 in range(g0, tl.minimum(g0 + group_size, k_end), TILE):
             # the next tile's loads are issued before this tile's arithmetic (EVEN: the last re-reads in-range rows)
             kn = k0 + TILE + rows
             if EVEN:
                 kn = tl.minimum(kn, k_end - 1)
             word_n, x_n = _awq_tile(x_ptr, qw_ptr, kn, nw, w_mask, k_end, stride_qk, EVEN)
-            hi = word >> 12  # fields 5, 6, 7 move to positions 2, 3, 4 (higher garbage bits are masked off)
-            t0 += _awq_field_sum(word, zw, x, magic, 0)
-            t1 += _awq_field_sum(word, zw, x, magic, 1)
-            t2 += _awq_field_sum(word, zw, x, magic, 2)
-            t3 += _awq_field_sum(word, zw, x, magic, 3)
-            t4 += _awq_field_sum(word, zw, x, magic, 4)
-            t5 += _awq_field_sum(hi, zhi, x, magic, 2)
-            t6 += _awq_field_sum(hi, zhi, x, magic, 3)
-            t7 += _awq_field_sum(hi, zhi, x, magic, 4)
+            # every field moved to bits 16..19 of a word (M = 2^7): seven shifts a word
+            t0 += _awq_field_sum(word << 16, x, magic)
+            t1 += _awq_field_sum(word << 12, x, magic)
+            t2 += _awq_field_sum(word << 8, x, magic)
+            t3 += _awq_field_sum(word << 4, x, magic)
+            t4 += _awq_field_sum(word, x, magic)
+            t5 += _awq_field_sum(word >> 4, x, magic)
+            t6 += _awq_field_sum(word >> 8, x, magic)
+            t7 += _awq_field_sum(word >> 12, x, magic)
+            sx += tl.sum(x, axis=1)
             word, x = word_n, x_n
-        # field position p holds column (0, 2, 4, 6, 1, 3, 5, 7)[p] of its word; the scale undoes 2^(4 PP)
+        # t_p holds sum x (M + q) over the group's rows: take (M + z) sum x off, z being field p of zw
+        sxc = sx[:, None]
+        t0 -= (((zw >> 0) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t1 -= (((zw >> 4) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t2 -= (((zw >> 8) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t3 -= (((zw >> 12) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t4 -= (((zw >> 16) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t5 -= (((zw >> 20) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t6 -= (((zw >> 24) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        t7 -= (((zw >> 28) & 15).to(tl.float32) + 128.0)[None, :] * sxc
+        # field position p holds column (0, 2, 4, 6, 1, 3, 5, 7)[p] of its word
         srow = s_ptr + g * stride_sg + nw * 8
         a0 += (tl.load(srow + 0, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t0
-        a1 += (tl.load(srow + 2, mask=w_mask, other=0.0).to(tl.float32) * (1 / 16))[None, :] * t1
-        a2 += (tl.load(srow + 4, mask=w_mask, other=0.0).to(tl.float32) * (1 / 256))[None, :] * t2
-        a3 += (tl.load(srow + 6, mask=w_mask, other=0.0).to(tl.float32) * (1 / 4096))[None, :] * t3
-        a4 += (tl.load(srow + 1, mask=w_mask, other=0.0).to(tl.float32) * (1 / 65536))[None, :] * t4
-        a5 += (tl.load(srow + 3, mask=w_mask, other=0.0).to(tl.float32) * (1 / 256))[None, :] * t5
-        a6 += (tl.load(srow + 5, mask=w_mask, other=0.0).to(tl.float32) * (1 / 4096))[None, :] * t6
-        a7 += (tl.load(srow + 7, mask=w_mask, other=0.0).to(tl.float32) * (1 / 65536))[None, :] * t7
+        a1 += (tl.load(srow + 2, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t1
+        a2 += (tl.load(srow + 4, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t2
+        a3 += (tl.load(srow + 6, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t3
+        a4 += (tl.load(srow + 1, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t4
+        a5 += (tl.load(srow + 3, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t5
+        a6 += (tl.load(srow + 5, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t6
+        a7 += (tl.load(srow + 7, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t7
     n = nw * 8
     if DIRECT:  # one split: straight into the output
         dst = out_ptr + n
@@ -277,8 +289,10 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
             c = nw[:, None] * 8 + tl.arange(0, 8)[None, :]
             c_mask = w_mask[:, None]
             tot = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
-            for i in range(0, n_split):
-                tot += tl.load(part_ptr + i * stride_psplit + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+            for i0 in range(0, n_split, FIXUP_UNROLL):  # FIXUP_UNROLL loads in flight at once, then added in order
+                for j in tl.static_range(FIXUP_UNROLL):
+                    tot += tl.load(part_ptr + (i0 + j) * stride_psplit + c, mask=c_mask & (i0 + j < n_split),
+                                   other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + c, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
             tl.atomic_xchg(lock_ptr + pid_w, 0)  # ready for the next call (CUDA-graph replays included)
 
@@ -340,9 +354,9 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
 def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
-    if M == 1 and layout == "awq":  # _awq_gemv_kernel (benchmarks/h200_quant.py --sections gemv)
-        split = 8 if N >= 16384 else 64 if K >= 8192 else 16 if N > 4096 else 32  # the H200's best, cold L2
-        return dict(block_m=1, block_n=1024, block_k=8, split_k=split, num_warps=4, num_stages=1)
+    if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2 (h200_quant.py --sections awq_fixup)
+        split, warps = (16, 2) if N >= 16384 else (64, 4) if K >= 8192 else (32, 2) if N > 4096 else (32, 4)
+        return dict(block_m=1, block_n=1024, block_k=8, split_k=split, num_warps=warps, num_stages=1)
     if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
@@ -392,7 +406,8 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
     _awq_gemv_kernel[grid](x, qw, s, z, part, out, counts if use_fixup else part, N, K, group_size, kps,
                            split, qw.stride(0), s.stride(0), z.stride(0), part.stride(0) if not direct else 0,
-                           0x4B000000, DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
+                           0x43000000, DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
+                           FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
                            BLOCK_W=bw, BLOCK_K=bk, WK=wk, num_warps=wk, num_stages=cfg["num_stages"])
     if not direct and not use_fixup:
         torch.sum(part, 0, out=out.view(N))
@@ -436,7 +451,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if M >= dequant_m:
         w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype)
         return torch.matmul(x2, w.t(), out=out.view(M, N)).view(out.shape)
-    cfg = _config(M, N, K, x.device, layout)
+    # _awq_gemv_kernel sums x (M + q) with M up to 2^11: its rounding stays well below bf16's and fp16's, not below
+    # fp32's, so float32 rows take the other kernels
+    cfg = _config(M, N, K, x.device, layout if x.dtype != torch.float32 else "")
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
@@ -444,9 +461,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                                                                 group_size, K, cfg["block_k"])
     gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack", "awq") and not has_g
     if gemv and layout == "awq":
-        if bits == 4:
+        if bits == 4 and x.dtype != torch.float32:
             return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
-        gemv = False  # (served AWQ is 4-bit) the tile kernel
+        gemv = False  # (served AWQ is 4-bit; float32 as above) the tile kernel
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)

@@ -134,6 +134,24 @@ def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     again = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, **launch)
     assert torch.equal(got, again)
 
+def test_awq_gemv_keeps_its_precision_with_outlier_activations(seed):
+    """The AWQ GEMV sums x (M + q) (M = 2^7) and takes (M + z) sum x off per group: with every code and zero from 0
+    to 15 and a few activations 1000x the others (LLMs' massive activations), each fp16 output is the exact sum
+    rounded (within half a unit in its last place), give or take 2^-20 of the largest output. (With M = 2^11,
+    as four of the fields could be read with fewer shifts, outputs near 0 were off by up to 2^-16.6 of it.)"""
+    N, K, group = 128, 4096, 128
+    q = torch.randint(0, 16, (N, K), dtype=torch.int32)
+    zeros = torch.randint(0, 16, (N, K // group), dtype=torch.int32)
+    qweight, qzeros, s16 = map(_on_device, pack_awq(q, zeros, torch.rand(N, K // group) * 0.01 + 1e-3))
+    x = torch.randn(1, K)
+    x[0, ::97] *= 1000
+    x = x.to(DEVICE, torch.float16)
+    exact = x.double() @ w4a16_ref.dequantize_weight(qweight, s16, qzeros, None, "awq", 4, group).double().t()
+    got = triton_w4a16.w4a16_gemm(x, qweight, s16, qzeros, None, "awq", 4, group).double()
+    bound = exact.abs() * 2.0**-11 + exact.abs().max() * 2.0**-20
+    assert bool(((got - exact).abs() <= bound).all()), (((got - exact).abs() / bound).max().item(), seed)
+
+
 def test_groups_smaller_than_a_tile_are_gathered_per_row(seed):
     """group 8 < the smallest K-tile (16): the wrapper falls back to a per-row group index."""
     qweight, scales, qzeros, _, bits, gs = map(_on_device, quantized_weight("gptq4", 32, 64, 8))
