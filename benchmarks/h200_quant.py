@@ -447,6 +447,75 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
                 setattr(triton_w4a16, a, v)
 
 
+W4_DEQUANT_MS = [16, 24, 32, 48, 64, 96, 128, 192, 256]
+
+
+def section_w4_dequant(res: dict, base: dict, dev: str = "cuda", cold_bytes: int = 256 << 20) -> None:
+    """Where dequantize + cuBLAS (triton_w4a16.DEQUANT_M) should take over from the fused W4A16 kernels: per shape
+    and decode-sized row count, AWQ through the fused kernels and through dequantize + cuBLAS beside bf16 F.linear,
+    each timed in a CUDA graph over weight copies that no longer fit L2 (as in a decode step); then 256 requests of
+    AWQ with DEQUANT_M at the old 1024 and at candidate thresholds, beside bf16 (this process)."""
+    from vserve.kernels import triton_w4a16
+    from vserve.kernels.gpu_check import time_ms
+
+    rows = []
+    for K, N in SHAPES:
+        copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(max(1, -(-cold_bytes // (K * N // 2))))]
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+              for _ in range(max(1, -(-cold_bytes // (K * N * 2))))]
+        for M in W4_DEQUANT_MS:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+
+            def awq(dequant_m, _c=copies, _x=x):
+                for c in _c:
+                    triton_w4a16.w4a16_gemm(_x, *c, None, "awq", 4, GROUP, dequant_m=dequant_m)
+
+            def bf16(_ws=ws, _x=x):
+                for w in _ws:
+                    torch.nn.functional.linear(_x, w)
+
+            row = dict(K=K, N=N, M=M, bf16_ms=time_ms(bf16, dev, iters=4)[0] / len(ws),
+                       fused_ms=time_ms(partial(awq, 1 << 30), dev, iters=4)[0] / len(copies),
+                       dequant_cublas_ms=time_ms(partial(awq, 1), dev, iters=4)[0] / len(copies))
+            rows.append(row)
+            print(f"w4 {K}x{N} M={M}: bf16 {row['bf16_ms']:.4f}, fused {row['fused_ms']:.4f}, dequant+cuBLAS "
+                  f"{row['dequant_cublas_ms']:.4f} ms", flush=True)
+        del copies, ws
+    res["w4_dequant"] = rows
+    default = triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE
+    res["w4_dequant_256_bf16"] = _run_256(base, "bf16")
+    try:
+        for m in (1024, 64, 32, 17):
+            triton_w4a16.DEQUANT_M = triton_w4a16.DEQUANT_M_WIDE = m
+            r = res[f"w4_dequant_256_awq_dequant_m{m}"] = _run_256(base, "awq")
+            print(f"awq, DEQUANT_M {m}: {r['output_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = default
+    print(f"bf16: {res['w4_dequant_256_bf16']['output_tok_s']:.1f} tok/s", flush=True)
+
+
+def section_w4_dequant_e2e(res: dict, base: dict) -> None:
+    """AWQ with dequantize + cuBLAS from 1024 rows (before), from 32 rows for every shape, and from the shipped
+    thresholds (DEQUANT_M, DEQUANT_M_WIDE), on 256 and on 32 requests (prompts and outputs U[100, 1024]), beside
+    bf16 (this process)."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import triton_w4a16
+
+    default = triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE
+    for n in (256, 32):
+        p, o = workload(n, 0, base["vocab_size"], (100, 1024))
+        for label, q, m in (("bf16", "bf16", default), ("awq_before", "awq", (1024, 1024)),
+                            ("awq_flat32", "awq", (32, 32)), ("awq_shipped", "awq", default)):
+            triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = m
+            try:
+                r = res[f"w4_dequant_e2e_{n}_{label}"] = _drop_plan(run_vserve(
+                    _model_cfg(base, q), p, o, max_num_seqs=n, enforce_eager=False))
+            finally:
+                triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = default
+            print(f"{n} requests, {label}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def _best_launches(rows: list[dict]) -> dict:
     """{(K, N): the fastest launch} from section_gemv's rows."""
     return {(r["K"], r["N"]): r["best"][0] for r in rows if r.get("best")}
@@ -865,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
                          "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn (after decode_sweep.py), "
-                         "awq_fixup, profile_fp8_256, ...")
+                         "awq_fixup, w4_dequant, profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--fp8mm-ms", type=lambda v: [int(m) for m in v.split(",")], default=[256, 2048],
@@ -911,6 +980,8 @@ def main(argv: list[str] | None = None) -> int:
                     "profile_run": lambda r: (section_profile_run(r, LLAMA3_8B, "bf16", "bf16", "auto"),
                                               section_profile_run(r, LLAMA3_8B, "fp8", "fp8", "fp8")),
                     "bs1_awq": lambda r: section_bs1_awq(r, LLAMA3_8B),
+                    "w4_dequant": lambda r: section_w4_dequant(r, LLAMA3_8B),
+                    "w4_dequant_e2e": lambda r: section_w4_dequant_e2e(r, LLAMA3_8B),
                     "awq_fixup": lambda r: section_awq_variants(r, LLAMA3_8B, "awq_fixup", "AWQ_FIXUP_UNROLL", (1, 8),
                                                                 GEMV_COLD_GRID_WIDE),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),

@@ -36,11 +36,12 @@ class QuantSpec:
     scale_bytes: int = 2
     g_idx: bool = False  # GPTQ: an int32 group index per input channel
     act_order: bool = False  # GPTQ desc_act: row-parallel ranks keep every group (their inputs span all groups)
+    weight_only: bool = False  # W4A16 / W8A16: batches dequantize each weight into one shared model-dtype buffer
 
 
 QUANTIZATIONS = {
-    "awq": QuantSpec("awq", 4, 128, True),
-    "gptq": QuantSpec("gptq", 4, 128, True, g_idx=True),
+    "awq": QuantSpec("awq", 4, 128, True, weight_only=True),
+    "gptq": QuantSpec("gptq", 4, 128, True, g_idx=True, weight_only=True),
     "fp8": QuantSpec("fp8", 8, None, False, 4),
     "int8": QuantSpec("int8", 8, None, False, 4),
 }
@@ -149,6 +150,19 @@ def activation_bytes(m: ModelConfig, num_tokens: int, num_sampled: int, dtype_by
     return hidden + num_sampled * m.vocab_size * (dtype_bytes + SAMPLER_BYTES_PER_LOGIT)
 
 
+def dequant_buffer_bytes(m: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """The buffer weight-only layers dequantize into for cuBLAS (kernels/triton_w4a16.py dequant_buffer): the
+    largest dense linear weight of a rank, in the model dtype (MoE experts stay unquantized)."""
+    tp = tensor_parallel_size
+    H = m.hidden_size
+    q = m.num_attention_heads // tp * m.head_dim
+    kv = kv_heads_per_rank(m, tp) * m.head_dim
+    largest = max((q + 2 * kv) * H, q * H)
+    if moe_shape(m) is None:
+        largest = max(largest, 2 * _cdiv(m.intermediate_size, tp) * H)
+    return largest * dtype_bytes
+
+
 def context_limit(m: ModelConfig) -> int:
     """The longest sequence the model serves (the engine stays inside a sliding window)."""
     limit = m.max_position_embeddings
@@ -242,9 +256,13 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     per_block = per_token * block_size
     seq_blocks = _cdiv(max_len, block_size)
     weights = weights_bytes(model, dtype_bytes, spec, tp)
-    activations = (peak_activation_bytes if peak_activation_bytes is not None else
-                   activation_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens),
-                                    dtype_bytes, tp))
+    if peak_activation_bytes is not None:  # measured: the profile pass makes the dequantize buffer too
+        activations = peak_activation_bytes
+    else:
+        activations = activation_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens),
+                                       dtype_bytes, tp)
+        if spec is not None and spec.weight_only:
+            activations += dequant_buffer_bytes(model, dtype_bytes, tp)
     graphs = GRAPH_POOL_RESERVE if on_gpu and cuda_graphs else 0
     runtime = RUNTIME_OVERHEAD_BYTES + (NCCL_OVERHEAD_BYTES if tp > 1 else 0) if on_gpu else 0
     in_use = in_use_bytes if in_use_bytes is not None else weights + runtime + other_processes_bytes

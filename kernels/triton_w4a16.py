@@ -12,9 +12,10 @@ Four paths by the number of rows M:
   `_gemv_kernel`;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
   writes an fp32 partial; the partials are summed in a fixed order);
-- 16 < M < DEQUANT_M: tiled, with larger row tiles;
-- M >= DEQUANT_M (long prefills): dequantize the whole weight into x's dtype once and hand it to cuBLAS
-  (the matmul is compute-bound there; a one-layer temporary is what it costs).
+- 16 < M < DEQUANT_M (DEQUANT_M_WIDE for wide weights): tiled, with larger row tiles;
+- M >= DEQUANT_M (larger decode batches, prefills): dequantize the whole weight into x's dtype and hand it to
+  cuBLAS (writing and reading a bf16 weight costs less than the tile kernel's dequantization per row tile; one
+  buffer of the largest layer's size serves every layer, dequant_buffer).
 No call syncs with the host, so decode steps can be captured in CUDA graphs.
 """
 
@@ -28,8 +29,13 @@ import triton.language as tl
 
 from vserve.kernels.triton_ops import arrival_counts
 
-DEQUANT_M = 1024  # from this many rows on, dequantize + cuBLAS beats the fused kernel (benchmarks/h200_quant.py)
+# From this many rows on, dequantize + cuBLAS beats the fused kernels (H200, h200_quant.py --sections w4_dequant:
+# qkv, o_proj and down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile
+# kernel ahead up to 64 rows)
+DEQUANT_M, DEQUANT_M_WIDE, WIDE_N = 24, 96, 16384
 AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued this many at a time
+_DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
+_OUTGROWN: list[torch.Tensor] = []
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
 
 
@@ -414,14 +420,35 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     return out
 
 
+def dequant_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """numel elements of one buffer per device and dtype that every layer's dequantize + cuBLAS GEMM writes its
+    weight into (the GEMMs of a forward run one after another on one stream), kept so that decode steps captured in
+    CUDA graphs read and write the same memory on every replay. It grows to the largest weight on the first
+    forward pass, which the memory planner's profile step makes (so the plan counts it, as it counted the
+    per-call temporary it replaces). A buffer outgrown later (a larger model in the same process) is kept alive,
+    as graphs may hold it; a capture that still finds it too small takes a temporary from the graph's pool."""
+    key = (device, dtype)
+    buf = _DEQUANT_BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.empty(numel, dtype=dtype, device=device)
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = _DEQUANT_BUFFERS[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                      g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, dtype: torch.dtype, *,
-                     block_n: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """W [N, K] in dtype (as w4a16_ref.dequantize_weight(...).to(dtype))."""
+                     block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in dtype (as w4a16_ref.dequantize_weight(...).to(dtype)), into out [N, K] when given."""
     K, N = _shape(qweight, scales, layout, bits)
     qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
                                                                 group_size, K, block_k)
-    out = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    assert out.shape == (N, K) and out.dtype == dtype and out.stride(1) == 1, (out.shape, out.dtype)
     grid = (triton.cdiv(K, bk), triton.cdiv(N, block_n))
     _dequant_kernel[grid](qw, s, z, g, out, N, K, gs, sqk, sqn, ssg, ssn, szg, out.stride(0),
                           LAYOUT=_LAYOUT_IDS[layout],
@@ -432,11 +459,12 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, *, block_m: int | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None, dequant_m: int = DEQUANT_M,
+               num_warps: int | None = None, num_stages: int | None = None, dequant_m: int | None = None,
                out: torch.Tensor | None = None, fixup: bool = True) -> torch.Tensor:
-    """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters; out: a
-    contiguous [..., N] buffer to write into; fixup=False: the AWQ GEMV sums its K-split partials in a second
-    kernel instead of in its last program per column block."""
+    """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters and the
+    rows from which the weight is dequantized for cuBLAS (DEQUANT_M); out: a contiguous [..., N] buffer to write
+    into; fixup=False: the AWQ GEMV sums its K-split partials in a second kernel instead of in its last program per
+    column block."""
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
     x2 = x.reshape(-1, K)
@@ -448,11 +476,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
     if M == 0:
         return out
+    if dequant_m is None:
+        dequant_m = DEQUANT_M_WIDE if N >= WIDE_N else DEQUANT_M
     if M >= dequant_m:
-        w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype)
-        return torch.matmul(x2, w.t(), out=out.view(M, N)).view(out.shape)
-    # _awq_gemv_kernel sums x (M + q) with M up to 2^11: its rounding stays well below bf16's and fp16's, not below
-    # fp32's, so float32 rows take the other kernels
+        w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype,
+                             out=dequant_buffer(x.device, x.dtype, N * K).view(N, K))
+        torch.matmul(x2, w.t(), out=out.view(M, N))
+        return out
+    # _awq_gemv_kernel sums x (2^7 + q): its rounding stays below bf16's and fp16's, not below fp32's, so float32
+    # rows take the other kernels
     cfg = _config(M, N, K, x.device, layout if x.dtype != torch.float32 else "")
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)

@@ -7,6 +7,7 @@ from vserve.core.memory import (
     TIGHT_CONCURRENCY,
     GiB,
     default_cpu_kv_budget,
+    dequant_buffer_bytes,
     kv_bytes_per_token,
     num_params,
     plan_memory,
@@ -38,6 +39,23 @@ def test_7b_needs_about_14_gb_in_fp16_10_in_8_bit_6_in_4_bit():
     assert _non_kv(None) == pytest.approx(14 * GB, rel=0.15)
     assert _non_kv("int8") == pytest.approx(10 * GB, rel=0.15)
     assert _non_kv("awq") == pytest.approx(6 * GB, rel=0.15)
+
+
+def test_weight_only_layers_reserve_the_dequantize_buffer_when_estimated():
+    """Batches of W4A16 / W8A16 rows dequantize each weight into one model-dtype buffer (kernels/triton_w4a16.py
+    dequant_buffer): an estimated plan reserves the largest dense weight of a rank (Llama-3-8B: gate_up, 28672 x
+    4096 in bf16; TP=2: half of it); W8A8 does not use it, and a measured peak (the profile pass made it) is taken
+    as is."""
+    m = known_shape("llama-3.1-8b")
+
+    def acts(q, tp=1, **kw):
+        return plan_memory(m, gpu_memory_bytes=80 * GiB, quantization=q, tensor_parallel_size=tp, **kw).activation_bytes
+
+    assert dequant_buffer_bytes(m, 2) == 28672 * 4096 * 2
+    assert acts("awq") - acts(None) == acts("gptq") - acts(None) == 28672 * 4096 * 2
+    assert acts("awq", tp=2) - acts(None, tp=2) == 14336 * 4096 * 2
+    assert acts("fp8") == acts("int8") == acts(None)
+    assert acts("awq", peak_activation_bytes=123) == 123
 
 
 def test_group_quantization_counts_bits_scales_and_zeros():

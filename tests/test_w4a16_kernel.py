@@ -74,17 +74,41 @@ def _on_device(t):
 
 @pytest.mark.parametrize("layout,N,K,group,act_order", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 7, 80])
-def test_w4a16_gemm_matches_reference(seed, layout, N, K, group, act_order, dtype, M):
-    """M = 1 and 7: the 16-row decode tile with split-K; 80: two 64-row tiles of the tiled path."""
+@pytest.mark.parametrize("M,dequant_m", [(1, None), (7, None), (80, 1 << 30), (40, None)])
+def test_w4a16_gemm_matches_reference(seed, layout, N, K, group, act_order, dtype, M, dequant_m):
+    """M = 1 and 7: the 16-row decode tile with split-K; 80 (dequantize + cuBLAS put off): two 64-row tiles of the
+    tiled path; 40 (>= DEQUANT_M): the weight dequantized into the shared buffer, then torch.matmul."""
     qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight(layout, N, K, group, act_order))
     kind = layout.split("_")[0].rstrip("48")
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
-    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, g_idx, kind, bits, gs, out=out)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, g_idx, kind, bits, gs, out=out, dequant_m=dequant_m)
     assert got is out
     ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, g_idx, kind, bits, gs)
     _close(got, ref, dtype, seed)
+
+
+def test_dequantize_path_shares_one_buffer_across_layers(seed):
+    """Rows >= DEQUANT_M: each layer's weight is dequantized into one buffer per device and dtype (what CUDA graphs
+    capture), grown to the largest weight; a smaller layer after a larger one reuses it, results unchanged."""
+    small = [_on_device(t) for t in quantized_weight("awq", 64, 256, 64)]
+    large = [_on_device(t) for t in quantized_weight("gptq4", 128, 512, 128)]
+    x_small = torch.randn(40, 256, device=DEVICE, dtype=torch.float16)
+    x_large = torch.randn(40, 512, device=DEVICE, dtype=torch.float16)
+    M = triton_w4a16.DEQUANT_M
+
+    def run(w, x, layout):
+        qweight, scales, qzeros, g_idx, bits, gs = w
+        got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, g_idx, layout, bits, gs, dequant_m=M)
+        _close(got, w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, g_idx, layout, bits, gs), torch.float16,
+               seed)
+
+    run(large, x_large, "gptq")
+    buf = triton_w4a16.dequant_buffer(x_large.device, torch.float16, 128 * 512)
+    run(small, x_small, "awq")
+    run(large, x_large, "gptq")
+    again = triton_w4a16.dequant_buffer(x_large.device, torch.float16, 64 * 256)
+    assert again.data_ptr() == buf.data_ptr() and buf.numel() >= 128 * 512
 
 
 @pytest.mark.parametrize("layout,N,K,group,act_order", CASES[:5])

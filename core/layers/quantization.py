@@ -75,8 +75,10 @@ class QuantConfig:
 
         group = None if self.group_size == -1 else self.group_size
         if self.layout in ("awq", "gptq"):  # fp16 scales, packed zeros; GPTQ's g_idx
-            return QuantSpec(self.kind, self.bits, group, True, g_idx=self.layout == "gptq", act_order=self.desc_act)
-        return QuantSpec(self.kind, self.bits, group, False, 4)  # float32 scales, symmetric
+            return QuantSpec(self.kind, self.bits, group, True, g_idx=self.layout == "gptq", act_order=self.desc_act,
+                             weight_only=True)
+        return QuantSpec(self.kind, self.bits, group, False, 4,  # float32 scales, symmetric
+                         weight_only=self.activations is None)
 
     @classmethod
     def resolve(cls, flag: str | None, hf_config: dict, dummy: bool = False) -> QuantConfig | None:
