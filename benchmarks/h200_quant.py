@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -428,6 +429,7 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
             runs.append(("bs1_in128_out512_awq_gemv_best", "awq", best, {}))
     orig = triton_w4a16._config
     for key, q, table, attrs in runs:
+        patch = dict(attrs)
         if table:
             def tuned(M, N, K, device, layout="", _t=table):
                 c = _t.get((K, N))
@@ -435,16 +437,22 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
                     return dict(block_m=1, num_stages=1, **{k: c[k] for k in ("block_n", "block_k", "num_warps",
                                                                                "split_k")})
                 return orig(M, N, K, device, layout)
-            triton_w4a16._config = tuned
-        saved = {a: getattr(triton_w4a16, a) for a in attrs}
-        try:
-            for a, v in attrs.items():
-                setattr(triton_w4a16, a, v)
+            patch["_config"] = tuned
+        with _patched(triton_w4a16, **patch):
             res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, [512], max_num_seqs=8, enforce_eager=False))
-        finally:
-            triton_w4a16._config = orig
-            for a, v in saved.items():
-                setattr(triton_w4a16, a, v)
+
+
+@contextmanager
+def _patched(module, **attrs):
+    """The module's attributes set to attrs inside the block, restored after it."""
+    saved = {a: getattr(module, a) for a in attrs}
+    try:
+        for a, v in attrs.items():
+            setattr(module, a, v)
+        yield
+    finally:
+        for a, v in saved.items():
+            setattr(module, a, v)
 
 
 W4_DEQUANT_MS = [16, 24, 32, 48, 64, 96, 128, 192, 256]
@@ -482,15 +490,11 @@ def section_w4_dequant(res: dict, base: dict, dev: str = "cuda", cold_bytes: int
                   f"{row['dequant_cublas_ms']:.4f} ms", flush=True)
         del copies, ws
     res["w4_dequant"] = rows
-    default = triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE
     res["w4_dequant_256_bf16"] = _run_256(base, "bf16")
-    try:
-        for m in (1024, 64, 32, 17):
-            triton_w4a16.DEQUANT_M = triton_w4a16.DEQUANT_M_WIDE = m
+    for m in (1024, 64, 32, 17):
+        with _patched(triton_w4a16, DEQUANT_M=m, DEQUANT_M_WIDE=m):
             r = res[f"w4_dequant_256_awq_dequant_m{m}"] = _run_256(base, "awq")
-            print(f"awq, DEQUANT_M {m}: {r['output_tok_s']:.1f} tok/s", flush=True)
-    finally:
-        triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = default
+        print(f"awq, DEQUANT_M {m}: {r['output_tok_s']:.1f} tok/s", flush=True)
     print(f"bf16: {res['w4_dequant_256_bf16']['output_tok_s']:.1f} tok/s", flush=True)
 
 
@@ -502,17 +506,13 @@ def section_w4_dequant_e2e(res: dict, base: dict) -> None:
 
     from vserve.kernels import triton_w4a16
 
-    default = triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE
     for n in (256, 32):
         p, o = workload(n, 0, base["vocab_size"], (100, 1024))
-        for label, q, m in (("bf16", "bf16", default), ("awq_before", "awq", (1024, 1024)),
-                            ("awq_flat32", "awq", (32, 32)), ("awq_shipped", "awq", default)):
-            triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = m
-            try:
+        for label, q, m in (("bf16", "bf16", {}), ("awq_before", "awq", dict(DEQUANT_M=1024, DEQUANT_M_WIDE=1024)),
+                            ("awq_flat32", "awq", dict(DEQUANT_M=32, DEQUANT_M_WIDE=32)), ("awq_shipped", "awq", {})):
+            with _patched(triton_w4a16, **m):
                 r = res[f"w4_dequant_e2e_{n}_{label}"] = _drop_plan(run_vserve(
                     _model_cfg(base, q), p, o, max_num_seqs=n, enforce_eager=False))
-            finally:
-                triton_w4a16.DEQUANT_M, triton_w4a16.DEQUANT_M_WIDE = default
             print(f"{n} requests, {label}: {r['output_tok_s']:.1f} tok/s", flush=True)
 
 
@@ -527,16 +527,13 @@ def section_awq_variants(res: dict, base: dict, name: str, attr: str, values: tu
     launches (results under name)."""
     from vserve.kernels import triton_w4a16
 
-    default, best = getattr(triton_w4a16, attr), {}
-    try:
-        for v in values:
-            setattr(triton_w4a16, attr, v)
-            sub: dict = {}
+    best = {}
+    for v in values:
+        sub: dict = {}
+        with _patched(triton_w4a16, **{attr: v}):
             section_gemv(sub, "cuda", SHAPES, grid, cold=True)
-            res[f"{name}_gemv_cold_{v}"], res[f"{name}_gemv_correct_{v}"] = sub["gemv_cold"], sub["gemv_correct"]
-            best[v] = _best_launches(sub["gemv_cold"])
-    finally:
-        setattr(triton_w4a16, attr, default)
+        res[f"{name}_gemv_cold_{v}"], res[f"{name}_gemv_correct_{v}"] = sub["gemv_cold"], sub["gemv_correct"]
+        best[v] = _best_launches(sub["gemv_cold"])
     runs = [(f"{name}_bs1_bf16", "bf16", None, {})]
     for v in values:
         runs += [(f"{name}_bs1_{v}_default", "awq", None, {attr: v}),
