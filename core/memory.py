@@ -152,15 +152,8 @@ def activation_bytes(m: ModelConfig, num_tokens: int, num_sampled: int, dtype_by
 
 def dequant_buffer_bytes(m: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
     """The buffer weight-only layers dequantize into for cuBLAS (kernels/triton_w4a16.py dequant_buffer): the
-    largest dense linear weight of a rank, in the model dtype (MoE experts stay unquantized)."""
-    tp = tensor_parallel_size
-    H = m.hidden_size
-    q = m.num_attention_heads // tp * m.head_dim
-    kv = kv_heads_per_rank(m, tp) * m.head_dim
-    largest = max((q + 2 * kv) * H, q * H)
-    if moe_shape(m) is None:
-        largest = max(largest, 2 * _cdiv(m.intermediate_size, tp) * H)
-    return largest * dtype_bytes
+    largest linear weight of a rank, in the model dtype."""
+    return max(i * o for i, o, _, _ in _linear_layers(m, tensor_parallel_size)) * dtype_bytes
 
 
 def context_limit(m: ModelConfig) -> int:

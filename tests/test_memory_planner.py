@@ -43,7 +43,7 @@ def test_7b_needs_about_14_gb_in_fp16_10_in_8_bit_6_in_4_bit():
 
 def test_weight_only_layers_reserve_the_dequantize_buffer_when_estimated():
     """Batches of W4A16 / W8A16 rows dequantize each weight into one model-dtype buffer (kernels/triton_w4a16.py
-    dequant_buffer): an estimated plan reserves the largest dense weight of a rank (Llama-3-8B: gate_up, 28672 x
+    dequant_buffer): an estimated plan reserves the largest linear weight of a rank (Llama-3-8B: gate_up, 28672 x
     4096 in bf16; TP=2: half of it); W8A8 does not use it, and a measured peak (the profile pass made it) is taken
     as is."""
     m = known_shape("llama-3.1-8b")
