@@ -158,6 +158,7 @@ def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     again = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, **launch)
     assert torch.equal(got, again)
 
+
 def test_awq_gemv_keeps_its_precision_with_outlier_activations(seed):
     """The AWQ GEMV sums x (M + q) (M = 2^7) and takes (M + z) sum x off per group: with every code and zero from 0
     to 15 and a few activations 1000x the others (LLMs' massive activations), each fp16 output is the exact sum
