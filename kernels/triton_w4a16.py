@@ -216,11 +216,10 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
     each K-tile is [WK, BLOCK_K, BLOCK_W] words, the WK slices (one per warp) summed apart until the end, so the
     loop reduces only inside threads. Per group it sums x (M + q) per column and field position (_awq_field_sum),
     takes (M + z) sum x off and applies the group's scale once (splits start on group boundaries and hold whole
-    tiles). Split partials go to part_ptr
-    [n_split, N] fp32; with FIXUP the last program of each column block to finish (an atomic count in lock_ptr,
-    reset to 0 after) sums them in split order into out_ptr, so the call is one deterministic kernel. DIRECT: a
-    single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole tiles: no masks on the main
-    loads (16-byte vector loads)."""
+    tiles). Split partials go to part_ptr [n_split, N] fp32; with FIXUP the last program of each column block to
+    finish (an atomic count in lock_ptr, reset to 0 after) sums them in split order into out_ptr, so the call is one
+    deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole
+    tiles: no masks on the main loads (16-byte vector loads)."""
     pid_w, pid_k = tl.program_id(0), tl.program_id(1)
     nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_mask = nw < N // 8
@@ -484,8 +483,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         torch.matmul(x2, w.t(), out=out.view(M, N))
         return out
     # _awq_gemv_kernel sums x (2^7 + q): its rounding stays below bf16's and fp16's, not below fp32's, so float32
-    # rows take the other kernels
-    cfg = _config(M, N, K, x.device, layout if x.dtype != torch.float32 else "")
+    # rows take the other kernels (and their launch parameters)
+    awq_gemv = layout == "awq" and bits == 4 and x.dtype != torch.float32
+    cfg = _config(M, N, K, x.device, layout if awq_gemv else "")
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
@@ -493,7 +493,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                                                                 group_size, K, cfg["block_k"])
     gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack", "awq") and not has_g
     if gemv and layout == "awq":
-        if bits == 4 and x.dtype != torch.float32:
+        if awq_gemv:
             return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
         gemv = False  # (served AWQ is 4-bit; float32 as above) the tile kernel
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
