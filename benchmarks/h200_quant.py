@@ -434,8 +434,8 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
             def tuned(M, N, K, device, layout="", _t=table):
                 c = _t.get((K, N))
                 if M == 1 and layout == "awq" and c is not None:
-                    return dict(block_m=1, num_stages=1, **{k: c[k] for k in ("block_n", "block_k", "num_warps",
-                                                                               "split_k")})
+                    keys = ("block_n", "block_k", "num_warps", "split_k")
+                    return dict(block_m=1, num_stages=c.get("num_stages", 1), **{k: c[k] for k in keys})
                 return orig(M, N, K, device, layout)
             patch["_config"] = tuned
         with _patched(triton_w4a16, **patch):
@@ -540,6 +540,26 @@ def section_awq_variants(res: dict, base: dict, name: str, attr: str, values: tu
                  (f"{name}_bs1_{v}_best", "awq", best[v], {attr: v})]
     runs += [(f"{name}_bs1_bf16_again", "bf16", None, {})] + [(f"{name}_bs1_{v}_default_again", "awq", None, {attr: v})
                                                                for v in values]
+    section_bs1_awq(res, base, runs)
+
+
+AWQ_GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk, num_stages=st) for bn in (512, 1024)
+                 for bk in (4, 8, 16) for w in (4, 8, 16) for sk in (8, 16, 32, 64) for st in (1, 2, 3)
+                 if bk * w <= 128 and bn // 8 * bk * w * 4 * max(st - 1, 1) <= 160 << 10]
+
+
+def section_awq_gemv(res: dict, base: dict, grid=AWQ_GEMV_GRID) -> None:
+    """The AWQ GEMV checked and timed cold at its default launch and over grid; then batch-1 decode: bf16, then AWQ
+    with the default and with the best launch per shape (the default when grid is empty), each engine twice
+    (alternated; the first AWQ run of a process is a warm-up)."""
+    sub: dict = {}
+    section_gemv(sub, "cuda", SHAPES, grid, cold=True)
+    res["awq_gemv_cold"], res["awq_gemv_correct"] = sub["gemv_cold"], sub["gemv_correct"]
+    best = _best_launches(sub["gemv_cold"])
+    runs = []
+    for rep in ("", "_again"):
+        runs += [(f"awq_gemv_bs1_bf16{rep}", "bf16", None, {}), (f"awq_gemv_bs1_default{rep}", "awq", None, {}),
+                 (f"awq_gemv_bs1_best{rep}", "awq", best, {})]
     section_bs1_awq(res, base, runs)
 
 
@@ -931,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="correct,speed,memory,bs1,throughput",
                     help="comma-separated, of correct, speed, sweep, memory, bs1, throughput, throughput_kv, gemv, "
                          "bs1_awq, fp8mm, throughput_fast, throughput_pair, throughput_attn (after decode_sweep.py), "
-                         "awq_fixup, w4_dequant, profile_fp8_256, ...")
+                         "awq_fixup, awq_gemv, w4_dequant, profile_fp8_256, ...")
     ap.add_argument("--sweep-ms", type=lambda v: [int(m) for m in v.split(",")], default=SWEEP_MS,
                     help="rows timed over the launch grid (sweep), comma-separated")
     ap.add_argument("--fp8mm-ms", type=lambda v: [int(m) for m in v.split(",")], default=[256, 2048],
@@ -981,6 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
                     "w4_dequant_e2e": lambda r: section_w4_dequant_e2e(r, LLAMA3_8B),
                     "awq_fixup": lambda r: section_awq_variants(r, LLAMA3_8B, "awq_fixup", "AWQ_FIXUP_UNROLL", (1, 8),
                                                                 GEMV_COLD_GRID_WIDE),
+                    "awq_gemv": lambda r: section_awq_gemv(r, LLAMA3_8B),
+                    "awq_gemv_default": lambda r: section_awq_gemv(r, LLAMA3_8B, []),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
                     "fp8mm_triton": lambda r: tune_fp8_splitk(r, "cuda", SHAPES, args.fp8mm_ms, FP8_SPLITK_GRID,
                                                               "fp8mm_triton"),

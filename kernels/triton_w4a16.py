@@ -7,9 +7,9 @@ fp32 accumulation.
 
 Four paths by the number of rows M:
 - M == 1 (batch-1 decode) on the integer layouts with contiguous groups: a GEMV kernel that applies scale and
-  zero once per group and column (y += s (x.q - z sum x)), split over K; for AWQ `_awq_gemv_kernel`, which takes
-  each code into a float without a conversion and sums its split partials itself, for GPTQ and pack
-  `_gemv_kernel`;
+  zero once per group and column (y += s (x.q - z sum x)), split over K; for AWQ (fp16 or bf16 rows)
+  `_awq_gemv_kernel`, which works on pairs of fp16 values (two codes an instruction) and sums its split partials
+  itself, for GPTQ and pack `_gemv_kernel`;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
   writes an fp32 partial; the partials are summed in a fixed order);
 - 16 < M < DEQUANT_M (DEQUANT_M_WIDE for wide weights): tiled, with larger row tiles;
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import arrival_counts
+from vserve.kernels.triton_ops import _interpreted, arrival_counts
 
 # From this many rows on, dequantize + cuBLAS beats the fused kernels (H200, h200_quant.py --sections w4_dequant:
 # qkv, o_proj and down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile
@@ -184,109 +184,163 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, k_per_s
     tl.store(out_ptr + pid_k.to(tl.int64) * stride_osplit + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _awq_field_sum(word, x, magic):
-    """sum over axis 1 of x (M + q) for the 4-bit field at bits 16..19 of each word [WK, BLOCK_K, W]: the field
-    OR-ed into the mantissa of M = 2^7 (magic: M's bits), which gives the float M + q exactly, with one AND-OR and
-    one FMA per code, no conversion; the caller takes (M + z) sum x off once per group. A small M keeps the
-    rounding of the sums small: 2^-17 of M max|x| per addition, below the last bit of any bf16 or fp16 output
-    that a code contributes to even with activations 1000x the others."""
-    f = ((word & (15 << 16)) | magic).to(tl.float32, bitcast=True)
-    return tl.sum(x[:, :, None] * f, axis=1)
+# ---- the AWQ batch-1 GEMV in packed fp16 pairs (_awq_gemv_kernel) ----------------------------------------------
+# A 32-bit word w holds 8 codes; lop3(w, 0x000F000F, 0x6400_6400) makes the fp16 pair (1024 + q, 1024 + q') of
+# its fields 0 and 4 (columns 0 and 1), lop3(w, 0x00F000F0, ...) the pair (1024 + 16 q, ...) of fields 1 and 5
+# (columns 2 and 3), and the same on w >> 8 for columns 4..7: one sub / fma turns each pair into (q - z) exactly,
+# one fma.f16x2 adds x (q - z) to two columns' sums. Zeros: 0x6400 | z is the fp16 1024 + z, 0xD400 | 16 z is
+# -(64 + z) (-0x2BFF2C00 is 0xD400D400 as an int32); 0x2C00 is 1/16.
 
 
 @triton.jit
-def _awq_tile(x_ptr, qw_ptr, k, nw, w_mask, k_end, stride_qk, EVEN: tl.constexpr):
-    """Words [WK, BLOCK_K, BLOCK_W] of rows k [WK, BLOCK_K] and x at those rows (fp32)."""
-    ptr = qw_ptr + k[:, :, None] * stride_qk + nw[None, None, :]
-    if EVEN:
-        return tl.load(ptr), tl.load(x_ptr + k).to(tl.float32)
-    k_mask = k < k_end
-    word = tl.load(ptr, mask=k_mask[:, :, None] & w_mask[None, None, :], other=0)
-    return word, tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+def _h2_x(x, ASM: tl.constexpr):
+    """fp32 x -> int32 holding the fp16 pair (x, x)."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return h | (h << 16)
+
+
+@triton.jit
+def _h2_half(v, HI: tl.constexpr):
+    """One fp16 of the int32-held pair v, as fp32 (the interpreter's path)."""
+    if HI:
+        v = v >> 16
+    return v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_fma(acc, x, q, z):
+    """The pair acc + x (q - z), each half rounded once to fp16 as fma.rn.f16x2 does (x q is exact in fp32, and so
+    is its sum with acc for the magnitudes here); the interpreter's path. q, z: int32 pairs of small integers."""
+    lo = _h2_half(acc, False) + _h2_half(x, False) * ((q & 0xFFFF) - (z & 0xFFFF)).to(tl.float32)
+    hi = _h2_half(acc, True) + _h2_half(x, True) * ((q >> 16) - (z >> 16)).to(tl.float32)
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _h2_row(w, x2, z0, z1, z2, z3, a0, a1, a2, a3, ASM: tl.constexpr):
+    """One row of words: a_p += x (q - z) for columns (2p, 2p + 1) of each word, in fp16 pairs. z0, z2: the pairs
+    1024 + z of columns (0, 1) and (4, 5); z1, z3: -(64 + z) of columns (2, 3) and (6, 7) (see _h2_zeros)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{ .reg .b32 t, d, w8, c16;
+            mov.b32 c16, 0x2C002C00;
+            lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 d, t, $6;
+            fma.rn.f16x2 $0, $5, d, $10;
+            lop3.b32 t, $4, 0x00F000F0, 0x64006400, 0xEA;
+            fma.rn.f16x2 d, t, c16, $7;
+            fma.rn.f16x2 $1, $5, d, $11;
+            shr.u32 w8, $4, 8;
+            lop3.b32 t, w8, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 d, t, $8;
+            fma.rn.f16x2 $2, $5, d, $12;
+            lop3.b32 t, w8, 0x00F000F0, 0x64006400, 0xEA;
+            fma.rn.f16x2 d, t, c16, $9;
+            fma.rn.f16x2 $3, $5, d, $13; }""",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [w, x2, z0, z1, z2, z3, a0, a1, a2, a3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    # the interpreter: the same codes and zeros as small integers (fields as in the asm: 0x000F000F at shifts 0, 8;
+    # 0x00F000F0 at 4, 12), each pair's x (q - z) added with one rounding
+    m = 0x000F000F
+    return (_h2_fma(a0, x2, w & m, z0 & m), _h2_fma(a1, x2, (w >> 4) & m, ((z1 >> 4) & m)),
+            _h2_fma(a2, x2, (w >> 8) & m, z2 & m), _h2_fma(a3, x2, (w >> 12) & m, ((z3 >> 4) & m)))
+
+
+@triton.jit
+def _h2_zeros(zw):
+    """The zero operands of _h2_row from a word of packed zeros (same field order as the codes)."""
+    zu = zw >> 8  # arithmetic: only bits 24..31 take the sign, and no mask below keeps them
+    return ((zw & 0x000F000F) | 0x64006400, (zw & 0x00F000F0) | -0x2BFF2C00,
+            (zu & 0x000F000F) | 0x64006400, (zu & 0x00F000F0) | -0x2BFF2C00)
+
+
+@triton.jit
+def _h2_scaled(acc, s2, lo, hi, ASM: tl.constexpr):
+    """lo, hi (fp32) + the fp16 pair of sums acc times the fp16 pair of scales s2, in fp32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{ .reg .b16 al, ah, sl, sh; .reg .f32 fa, fb;
+            mov.b32 {al, ah}, $2; mov.b32 {sl, sh}, $3;
+            cvt.f32.f16 fa, al; cvt.f32.f16 fb, sl; fma.rn.f32 $0, fa, fb, $4;
+            cvt.f32.f16 fa, ah; cvt.f32.f16 fb, sh; fma.rn.f32 $1, fa, fb, $5; }""",
+            "=f,=f,r,r,f,f", [acc, s2, lo, hi], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return (lo + _h2_half(acc, False) * _h2_half(s2, False), hi + _h2_half(acc, True) * _h2_half(s2, True))
 
 
 @triton.jit
 def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N, K, group_size, k_per_split,
-                     n_split, stride_qk, stride_sg, stride_zg, stride_psplit, magic, DIRECT: tl.constexpr,
-                     FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                     WK: tl.constexpr, FIXUP_UNROLL: tl.constexpr):
-    """One row of x (batch-1 decode) times the AutoAWQ 4-bit layout (qweight [K, N/8], value j of a word in field
-    (0, 4, 1, 5, 2, 6, 3, 7)[j]). A program holds BLOCK_W words of columns (8 BLOCK_W outputs) for one K-split;
-    each K-tile is [WK, BLOCK_K, BLOCK_W] words, the WK slices (one per warp) summed apart until the end, so the
-    loop reduces only inside threads. Per group it sums x (M + q) per column and field position (_awq_field_sum),
-    takes (M + z) sum x off and applies the group's scale once (splits start on group boundaries and hold whole
-    tiles). Split partials go to part_ptr [n_split, N] fp32; with FIXUP the last program of each column block to
-    finish (an atomic count in lock_ptr, reset to 0 after) sums them in split order into out_ptr, so the call is one
-    deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole
-    tiles: no masks on the main loads (16-byte vector loads)."""
+                      n_split, stride_qk, stride_sg, stride_zg, stride_psplit, DIRECT: tl.constexpr,
+                      FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                      WK: tl.constexpr, STAGES: tl.constexpr, FIXUP_UNROLL: tl.constexpr, ASM: tl.constexpr):
+    """One row of x times the AutoAWQ 4-bit layout (qweight [K, N/8]), in packed fp16 arithmetic: per row of words,
+    _h2_row adds x (q - z) to two columns' sums with one fma.f16x2 (13 instructions for a word's 8 codes). A program
+    holds BLOCK_W words of columns for one K-split; each K-tile is BLOCK_K rows for each of the WK warps; after a
+    tile each fp16 sum (BLOCK_K terms) is multiplied by its group's scale into fp32. x is first scaled by a power of
+    two that puts this split's max |x| below 2^8, so no fp16 sum can overflow (|sum| <= 16 * 15 * 2^8 < 65504),
+    and the scale is undone in fp32. Split partials go to part_ptr [n_split, N] fp32; with FIXUP the last program
+    of each column block to finish (an atomic count in lock_ptr, reset to 0 after) sums them in split order into
+    out_ptr, so the call is one deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W
+    divides N/8 and K is whole tiles (no masks on the main loads). s_ptr: the fp16 scales read as int32 pairs of
+    columns. ASM: the fp16-pair PTX (not under the interpreter, which runs the same arithmetic in
+    its _h2_* emulation)."""
+    tl.static_assert(BLOCK_K <= 16)  # the overflow bound above
     pid_w, pid_k = tl.program_id(0), tl.program_id(1)
     nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_mask = nw < N // 8
-    rows = tl.arange(0, WK)[:, None] + tl.arange(0, BLOCK_K)[None, :] * WK  # [WK, BLOCK_K]: slice w takes rows w mod WK
+    warp = tl.arange(0, WK)[:, None]  # [WK, 1]: warp w takes rows w, w + WK, ... of a tile
     TILE: tl.constexpr = BLOCK_K * WK
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    a0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
-    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-    word, x = _awq_tile(x_ptr, qw_ptr, k_start + rows, nw, w_mask, k_end, stride_qk, EVEN)
-    for g0 in range(k_start, k_end, group_size):  # one group: its scales and zeros are loaded once
-        g = g0 // group_size
+    # the power of two 2^t that puts max |x| of this split below 2^8 (t from max |x|'s exponent field E: t = 134 - E)
+    xm = tl.zeros((512,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, 512):
+        kk = k0 + tl.arange(0, 512)
+        xm = tl.maximum(xm, tl.abs(tl.load(x_ptr + kk, mask=kk < k_end, other=0.0).to(tl.float32)))
+    e = (tl.max(xm, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    t = tl.minimum(tl.maximum(134 - e, -126), 126)
+    up = ((t + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - t) << 23).to(tl.float32, bitcast=True)
+    f0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
+    f1, f2, f3, f4, f5, f6, f7 = f0, f0, f0, f0, f0, f0, f0
+    for k0 in tl.range(k_start, k_end, TILE, num_stages=STAGES):
+        g = k0 // group_size
         zw = tl.load(z_ptr + g * stride_zg + nw, mask=w_mask, other=0)
-        t0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
-        t1, t2, t3, t4, t5, t6, t7 = t0, t0, t0, t0, t0, t0, t0
-        sx = tl.zeros((WK,), dtype=tl.float32)
-        for k0 in range(g0, tl.minimum(g0 + group_size, k_end), TILE):
-            # the next tile's loads are issued before this tile's arithmetic (EVEN: the last re-reads in-range rows)
-            kn = k0 + TILE + rows
+        z0, z1, z2, z3 = _h2_zeros(zw[None, :])
+        a0 = tl.zeros((WK, BLOCK_W), dtype=tl.int32)  # fp16 pairs, 0.0
+        a1, a2, a3 = a0, a0, a0
+        for r in tl.static_range(BLOCK_K):
+            k = k0 + r * WK + warp
             if EVEN:
-                kn = tl.minimum(kn, k_end - 1)
-            word_n, x_n = _awq_tile(x_ptr, qw_ptr, kn, nw, w_mask, k_end, stride_qk, EVEN)
-            # every field moved to bits 16..19 of a word (M = 2^7): seven shifts a word
-            t0 += _awq_field_sum(word << 16, x, magic)
-            t1 += _awq_field_sum(word << 12, x, magic)
-            t2 += _awq_field_sum(word << 8, x, magic)
-            t3 += _awq_field_sum(word << 4, x, magic)
-            t4 += _awq_field_sum(word, x, magic)
-            t5 += _awq_field_sum(word >> 4, x, magic)
-            t6 += _awq_field_sum(word >> 8, x, magic)
-            t7 += _awq_field_sum(word >> 12, x, magic)
-            sx += tl.sum(x, axis=1)
-            word, x = word_n, x_n
-        # t_p holds sum x (M + q) over the group's rows: take (M + z) sum x off, z being field p of zw
-        sxc = sx[:, None]
-        t0 -= (((zw >> 0) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t1 -= (((zw >> 4) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t2 -= (((zw >> 8) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t3 -= (((zw >> 12) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t4 -= (((zw >> 16) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t5 -= (((zw >> 20) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t6 -= (((zw >> 24) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        t7 -= (((zw >> 28) & 15).to(tl.float32) + 128.0)[None, :] * sxc
-        # field position p holds column (0, 2, 4, 6, 1, 3, 5, 7)[p] of its word
-        srow = s_ptr + g * stride_sg + nw * 8
-        a0 += (tl.load(srow + 0, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t0
-        a1 += (tl.load(srow + 2, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t1
-        a2 += (tl.load(srow + 4, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t2
-        a3 += (tl.load(srow + 6, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t3
-        a4 += (tl.load(srow + 1, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t4
-        a5 += (tl.load(srow + 3, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t5
-        a6 += (tl.load(srow + 5, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t6
-        a7 += (tl.load(srow + 7, mask=w_mask, other=0.0).to(tl.float32))[None, :] * t7
+                w = tl.load(qw_ptr + k * stride_qk + nw[None, :])
+                xv = tl.load(x_ptr + k)
+            else:
+                w = tl.load(qw_ptr + k * stride_qk + nw[None, :], mask=(k < k_end) & w_mask[None, :], other=0)
+                xv = tl.load(x_ptr + k, mask=k < k_end, other=0.0)
+            x2 = tl.broadcast_to(_h2_x(xv.to(tl.float32) * up, ASM), (WK, BLOCK_W))
+            a0, a1, a2, a3 = _h2_row(w, x2, z0, z1, z2, z3, a0, a1, a2, a3, ASM)
+        srow = s_ptr + g * stride_sg + nw * 4
+        f0, f1 = _h2_scaled(a0, tl.load(srow + 0, mask=w_mask, other=0)[None, :], f0, f1, ASM)
+        f2, f3 = _h2_scaled(a1, tl.load(srow + 1, mask=w_mask, other=0)[None, :], f2, f3, ASM)
+        f4, f5 = _h2_scaled(a2, tl.load(srow + 2, mask=w_mask, other=0)[None, :], f4, f5, ASM)
+        f6, f7 = _h2_scaled(a3, tl.load(srow + 3, mask=w_mask, other=0)[None, :], f6, f7, ASM)
     n = nw * 8
-    if DIRECT:  # one split: straight into the output
+    if DIRECT:
         dst = out_ptr + n
     else:
         dst = part_ptr + pid_k.to(tl.int64) * stride_psplit + n
     ty = dst.dtype.element_ty
-    tl.store(dst + 0, tl.sum(a0, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 2, tl.sum(a1, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 4, tl.sum(a2, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 6, tl.sum(a3, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 1, tl.sum(a4, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 3, tl.sum(a5, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 5, tl.sum(a6, axis=0).to(ty), mask=w_mask)
-    tl.store(dst + 7, tl.sum(a7, axis=0).to(ty), mask=w_mask)
+    tl.store(dst + 0, (tl.sum(f0, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 1, (tl.sum(f1, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 2, (tl.sum(f2, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 3, (tl.sum(f3, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 4, (tl.sum(f4, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 5, (tl.sum(f5, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 6, (tl.sum(f6, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 7, (tl.sum(f7, axis=0) * down).to(ty), mask=w_mask)
     if FIXUP and not DIRECT:
         tl.debug_barrier()  # every thread's partial is stored before the count
         done = tl.atomic_add(lock_ptr + pid_w, 1, sem="acq_rel", scope="gpu")
@@ -300,7 +354,6 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
                                    other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + c, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
             tl.atomic_xchg(lock_ptr + pid_w, 0)  # ready for the next call (CUDA-graph replays included)
-
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qk, stride_qn, stride_sg,
@@ -359,9 +412,10 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
 def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
-    if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2 (h200_quant.py --sections awq_fixup)
-        split, warps = (16, 2) if N >= 16384 else (64, 4) if K >= 8192 else (32, 2) if N > 4096 else (32, 4)
-        return dict(block_m=1, block_n=1024, block_k=8, split_k=split, num_warps=warps, num_stages=1)
+    if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2 (h200_quant.py --sections awq_gemv)
+        # (num_stages: the depth of its loop's software pipeline; 1: plain loads, with 8 warps a program)
+        warps, split, stages = (4, 16, 1) if N >= 16384 else (4, 32, 3) if N > 4096 else (8, 16, 1)
+        return dict(block_m=1, block_n=512, block_k=16, split_k=split, num_warps=warps, num_stages=stages)
     if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
@@ -409,11 +463,12 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     counts = arrival_counts(dev, grid[0]) if fixup and not direct else None  # per column block
     use_fixup = counts is not None
     part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
-    _awq_gemv_kernel[grid](x, qw, s, z, part, out, counts if use_fixup else part, N, K, group_size, kps,
-                           split, qw.stride(0), s.stride(0), z.stride(0), part.stride(0) if not direct else 0,
-                           0x43000000, DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
-                           FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
-                           BLOCK_W=bw, BLOCK_K=bk, WK=wk, num_warps=wk, num_stages=cfg["num_stages"])
+    s2 = s.view(torch.int32)  # fp16 scales as pairs of columns
+    _awq_gemv_kernel[grid](x, qw, s2, z, part, out, counts if use_fixup else part, N, K, group_size, kps, split,
+                            qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
+                            DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0, BLOCK_W=bw,
+                            BLOCK_K=bk, WK=wk, STAGES=cfg["num_stages"], FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
+                            ASM=not _interpreted(), num_warps=wk, num_stages=1)
     if not direct and not use_fixup:
         torch.sum(part, 0, out=out.view(N))
     return out
@@ -482,9 +537,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                              out=dequant_buffer(x.device, x.dtype, N * K).view(N, K))
         torch.matmul(x2, w.t(), out=out.view(M, N))
         return out
-    # _awq_gemv_kernel sums x (2^7 + q): its rounding stays below bf16's and fp16's, not below fp32's, so float32
-    # rows take the other kernels (and their launch parameters)
-    awq_gemv = layout == "awq" and bits == 4 and x.dtype != torch.float32
+    # _awq_gemv_kernel sums x (q - z) in fp16: fine for bf16 and fp16 rows (about as precise as a GEMM on the weight
+    # dequantized to fp16), not for fp32 ones, which take the other kernels (and their launch parameters); AWQ's
+    # scales are fp16 (the kernel reads them as pairs)
+    awq_gemv = layout == "awq" and bits == 4 and x.dtype != torch.float32 and scales.dtype == torch.float16
     cfg = _config(M, N, K, x.device, layout if awq_gemv else "")
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
@@ -495,7 +551,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if gemv and layout == "awq":
         if awq_gemv:
             return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
-        gemv = False  # (served AWQ is 4-bit; float32 as above) the tile kernel
+        gemv = False  # (served AWQ is 4-bit with fp16 scales; float32 as above) the tile kernel
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)
