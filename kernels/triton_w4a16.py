@@ -212,8 +212,9 @@ def _h2_half(v, HI: tl.constexpr):
 
 @triton.jit
 def _h2_fma(acc, x, q, z):
-    """The pair acc + x (q - z), each half rounded once to fp16 as fma.rn.f16x2 does (x q is exact in fp32, and so
-    is its sum with acc for the magnitudes here); the interpreter's path. q, z: int32 pairs of small integers."""
+    """The pair acc + x (q - z), each half rounded to fp16 as fma.rn.f16x2 does (x (q - z) is exact in fp32; its
+    sum with acc is too unless they are 2^8 apart in magnitude, when the fp32 rounding can, rarely, move a tie); the
+    interpreter's path. q, z: int32 pairs of small integers."""
     lo = _h2_half(acc, False) + _h2_half(x, False) * ((q & 0xFFFF) - (z & 0xFFFF)).to(tl.float32)
     hi = _h2_half(acc, True) + _h2_half(x, True) * ((q >> 16) - (z >> 16)).to(tl.float32)
     lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
