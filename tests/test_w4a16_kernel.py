@@ -140,8 +140,8 @@ def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k)
 @pytest.mark.parametrize("N,K,group,launch", [
     (192, 256, 64, dict(split_k=1)),  # one split: written straight to the output
     (192, 256, 64, dict(split_k=2)),  # whole groups per split, summed by the last program
-    (200, 384, 32, dict(split_k=3, block_n=64, num_warps=2)),  # N/8 = 25 words: masked column tail
-    (128, 256, 128, dict(split_k=8, block_k=4, num_warps=2)),  # splits inside a group (32 rows each)
+    (200, 384, 32, dict(split_k=3, block_n=256, num_warps=4)),  # N/8 = 25 words of 32: masked column tail
+    (128, 256, 128, dict(split_k=8, block_k=4, num_warps=4)),  # splits inside a group (32 rows each)
 ])
 def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     """The AWQ batch-1 GEMV (_awq_gemv_kernel; here the interpreter's emulation of its fp16-pair PTX): each launch
