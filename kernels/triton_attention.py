@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _interpreted, arrival_counts, round_to_e4m3
+from vserve.kernels.triton_ops import _ptx, arrival_counts, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
 
@@ -49,7 +49,7 @@ def _e4m3_to_f16(x):
 @triton.jit
 def _load_kv(ptrs, mask, dtype, HW_CVT: tl.constexpr = False):
     """Cached K or V in the dtype of the dots (an fp8 cache is upcast here; zero where masked). HW_CVT: an fp8
-    cache read for fp16 dots, converted in registers by _e4m3_to_f16 (not under the interpreter)."""
+    cache read for fp16 dots, converted in registers by _e4m3_to_f16 (PTX: not under the interpreter or on ROCm)."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     if HW_CVT:
         return _e4m3_to_f16(x)
@@ -268,7 +268,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         H, num_splits, D=d, GROUP=group, GROUP_P=group_p, BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION=partition_size, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
-        V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(),
+        V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if not single and counts is None:
         _decode_reduce_kernel[(B, kvh)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, num_splits,
@@ -419,6 +419,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs, D=d, GROUP=group,
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
-        V_HW_CVT=fp8 and q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps, **extra)
+        V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(), num_warps=num_warps, **extra)
     return out
 

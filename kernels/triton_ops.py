@@ -300,6 +300,12 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _ptx() -> bool:
+    """Whether kernels may carry inline NVIDIA PTX (tl.inline_asm_elementwise): not under the interpreter, not on
+    ROCm; the kernels that do have a plain-Triton path for those."""
+    return torch.version.hip is None and not _interpreted()
+
+
 def _quant_args(dtype: torch.dtype | None) -> dict:
     """The quantizing kernels' arguments for codes of dtype (float8_e4m3fn or int8; None: not quantizing)."""
     from vserve.kernels.ops_ref import FP8_MAX, INT8_MAX, MIN_SCALE

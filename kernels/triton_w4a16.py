@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _interpreted, arrival_counts
+from vserve.kernels.triton_ops import _ptx, arrival_counts
 
 # From this many rows on, dequantize + cuBLAS beats the fused kernels (H200, h200_quant.py --sections w4_dequant:
 # qkv, o_proj and down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile
@@ -286,8 +286,8 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
     of each column block to finish (an atomic count in lock_ptr, reset to 0 after) sums them in split order into
     out_ptr, so the call is one deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W
     divides N/8 and K is whole tiles (no masks on the main loads). s_ptr: the fp16 scales read as int32 pairs of
-    columns. ASM: the fp16-pair PTX (not under the interpreter, which runs the same arithmetic in
-    its _h2_* emulation)."""
+    columns. ASM: the fp16-pair PTX (not under the interpreter or on ROCm, which run the same arithmetic in the
+    _h2_* emulation)."""
     tl.static_assert(BLOCK_K <= 16)  # the overflow bound above
     pid_w, pid_k = tl.program_id(0), tl.program_id(1)
     nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -469,7 +469,7 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
                             qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
                             DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0, BLOCK_W=bw,
                             BLOCK_K=bk, WK=wk, STAGES=cfg["num_stages"], FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
-                            ASM=not _interpreted(), num_warps=wk, num_stages=1)
+                            ASM=_ptx(), num_warps=wk, num_stages=1)
     if not direct and not use_fixup:
         torch.sum(part, 0, out=out.view(N))
     return out

@@ -198,6 +198,19 @@ def test_awq_gemv_scales_bf16_activations_into_fp16_range(seed, scale):
     assert float((got - exact).norm() / exact.norm()) < 1e-2, seed
 
 
+def test_ptx_kernels_fall_back_to_plain_triton_under_the_interpreter_and_on_rocm(monkeypatch):
+    """The AWQ GEMV's fp16-pair PTX (and the attention's fp8 conversion) only where Triton compiles for NVIDIA: a
+    ROCm build of torch or the interpreter gets the plain-Triton emulation that CI tests."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_ops._ptx()
+    monkeypatch.setattr(torch.version, "hip", "6.3.42131")
+    assert not triton_ops._ptx()
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_ops._ptx()
+
+
 def test_groups_smaller_than_a_tile_are_gathered_per_row(seed):
     """group 8 < the smallest K-tile (16): the wrapper falls back to a per-row group index."""
     qweight, scales, qzeros, _, bits, gs = map(_on_device, quantized_weight("gptq4", 32, 64, 8))
