@@ -247,8 +247,8 @@ def _h2_row(w, x2, z0, z1, z2, z3, a0, a1, a2, a3, ASM: tl.constexpr):
     # the interpreter: the same codes and zeros as small integers (fields as in the asm: 0x000F000F at shifts 0, 8;
     # 0x00F000F0 at 4, 12), each pair's x (q - z) added with one rounding
     m = 0x000F000F
-    return (_h2_fma(a0, x2, w & m, z0 & m), _h2_fma(a1, x2, (w >> 4) & m, ((z1 >> 4) & m)),
-            _h2_fma(a2, x2, (w >> 8) & m, z2 & m), _h2_fma(a3, x2, (w >> 12) & m, ((z3 >> 4) & m)))
+    return (_h2_fma(a0, x2, w & m, z0 & m), _h2_fma(a1, x2, (w >> 4) & m, (z1 >> 4) & m),
+            _h2_fma(a2, x2, (w >> 8) & m, z2 & m), _h2_fma(a3, x2, (w >> 12) & m, (z3 >> 4) & m))
 
 
 @triton.jit
@@ -329,7 +329,7 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
         f4, f5 = _h2_scaled(a2, tl.load(srow + 2, mask=w_mask, other=0)[None, :], f4, f5, ASM)
         f6, f7 = _h2_scaled(a3, tl.load(srow + 3, mask=w_mask, other=0)[None, :], f6, f7, ASM)
     n = nw * 8
-    if DIRECT:
+    if DIRECT:  # one split: straight into the output
         dst = out_ptr + n
     else:
         dst = part_ptr + pid_k.to(tl.int64) * stride_psplit + n
@@ -355,6 +355,7 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
                                    other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + c, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
             tl.atomic_xchg(lock_ptr + pid_w, 0)  # ready for the next call (CUDA-graph replays included)
+
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qk, stride_qn, stride_sg,
