@@ -338,6 +338,30 @@ def section_smoke_e2e(res: dict) -> None:
         llm.llm_engine.shutdown()
 
 
+def section_pdl_check(res: dict, base: dict) -> None:
+    """Greedy batch-1 tokens (CUDA graphs) of bf16 and AWQ with programmatic dependent launch (triton_ops.PDL) and
+    without: the same tokens expected (PDL changes when kernels start, not what they compute)."""
+    from h200_engine import free_gpu, model_dir, workload
+
+    from vserve import LLM, SamplingParams
+    from vserve.kernels import triton_ops
+
+    prompts, _ = workload(3, 5, base["vocab_size"], (64, 64), in_len=(128, 128))
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for q in ("bf16", "awq"):
+        got = {}
+        for pdl in (False, True):
+            with _patched(triton_ops, PDL=pdl):
+                llm = LLM(model_dir(_model_cfg(base, q)), load_format="dummy", skip_tokenizer_init=True,
+                          dtype="bfloat16", max_num_seqs=8)
+                got[pdl] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+                llm.llm_engine.shutdown()
+                del llm
+                free_gpu()
+        res[f"pdl_check_{q}"] = dict(same_tokens=got[True] == got[False], tokens=sum(map(len, got[True])))
+        print(f"pdl_check {q}: {res[f'pdl_check_{q}']}", flush=True)
+
+
 GEMV_COLD_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (512, 1024, 2048) for bk in (4, 8)
                   for w in (4, 8) for sk in (8, 16, 32, 64) if bn * bk <= 8192]
 GEMV_COLD_GRID_WIDE = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (256, 512, 1024)
@@ -416,10 +440,11 @@ def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False
 def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
     """Batch-1 decode, bf16 against AWQ with the default GEMV launch and with the gemv section's best launch per
     shape (when that section ran first in this process). runs: (result key, quantization, best-launch table or
-    None, {triton_w4a16 attribute: value} to set for the run) instead."""
+    None, {triton_w4a16 attribute (triton_ops attribute: "ops." and its name): value} to set for the run)
+    instead."""
     from h200_engine import run_vserve, workload
 
-    from vserve.kernels import triton_w4a16
+    from vserve.kernels import triton_ops, triton_w4a16
 
     p, _ = workload(1, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
     if runs is None:
@@ -429,7 +454,8 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
             runs.append(("bs1_in128_out512_awq_gemv_best", "awq", best, {}))
     orig = triton_w4a16._config
     for key, q, table, attrs in runs:
-        patch = dict(attrs)
+        patch = {k: v for k, v in attrs.items() if not k.startswith("ops.")}
+        ops_patch = {k[4:]: v for k, v in attrs.items() if k.startswith("ops.")}
         if table:
             def tuned(M, N, K, device, layout="", _t=table):
                 c = _t.get((K, N))
@@ -438,8 +464,9 @@ def section_bs1_awq(res: dict, base: dict, runs: list | None = None) -> None:
                     return dict(block_m=1, num_stages=c.get("num_stages", 1), **{k: c[k] for k in keys})
                 return orig(M, N, K, device, layout)
             patch["_config"] = tuned
-        with _patched(triton_w4a16, **patch):
+        with _patched(triton_w4a16, **patch), _patched(triton_ops, **ops_patch):
             res[key] = _drop_plan(run_vserve(_model_cfg(base, q), p, [512], max_num_seqs=8, enforce_eager=False))
+        print(f"{key}: {res[key]['output_tok_s']:.1f} tok/s", flush=True)
 
 
 @contextmanager
@@ -548,6 +575,14 @@ AWQ_GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk, num_stage
                  if bk * w <= 128 and bn // 8 * bk * w * 4 * max(st - 1, 1) <= 160 << 10]
 
 
+# narrower column blocks with more K-splits: more programs for the small qkv and o_proj grids
+AWQ_GEMV_NARROW = [dict(block_n=bn, block_k=16, num_warps=w, split_k=sk, num_stages=st) for bn in (128, 256)
+                   for w in (2, 4, 8) for sk in (32, 64, 128) for st in (1, 3)]
+# 256 and 512 columns, around the defaults (session 21, with programmatic dependent launch)
+AWQ_GEMV_PDL = [dict(block_n=bn, block_k=16, num_warps=w, split_k=sk, num_stages=st) for bn in (256, 512)
+                for w in (2, 4, 8) for sk in (16, 32, 64) for st in (1, 3)]
+
+
 def section_awq_gemv(res: dict, base: dict, grid=AWQ_GEMV_GRID) -> None:
     """The AWQ GEMV checked and timed cold at its default launch and over grid; then batch-1 decode: bf16, then AWQ
     with the default and with the best launch per shape (the default when grid is empty), each engine twice
@@ -561,6 +596,29 @@ def section_awq_gemv(res: dict, base: dict, grid=AWQ_GEMV_GRID) -> None:
         runs += [(f"awq_gemv_bs1_bf16{rep}", "bf16", None, {}), (f"awq_gemv_bs1_default{rep}", "awq", None, {}),
                  (f"awq_gemv_bs1_best{rep}", "awq", best, {})]
     section_bs1_awq(res, base, runs)
+
+
+def section_small_partition(res: dict, base: dict, splits=(128, 64, 32)) -> None:
+    """Batch-1 decode of bf16 and AWQ with decode attention's partitions set by each of splits
+    (triton_attention.SMALL_SPLITS: 64, 128 and 256 tokens over this shape's 8192-token block tables), each engine
+    twice."""
+    from vserve.kernels import triton_attention
+
+    for rep in ("", "_again"):
+        for n in splits:
+            size = 8192 // n
+            with _patched(triton_attention, SMALL_SPLITS=n):
+                section_bs1_awq(res, base, [(f"partition_bs1_{q}_{size}{rep}", q, None, {}) for q in ("bf16", "awq")])
+
+
+def section_pdl(res: dict, base: dict) -> None:
+    """Batch-1 decode of bf16 and AWQ with and without programmatic dependent launch (triton_ops.PDL), each engine
+    twice (alternated; the first AWQ run of a process is a warm-up)."""
+    eng = []
+    for rep in ("", "_again"):
+        eng += [(f"pdl_bs1_{q}_pdl{int(pdl)}{rep}", q, None, {"ops.PDL": pdl}) for q in ("bf16", "awq")
+                for pdl in (False, True)]
+    section_bs1_awq(res, base, eng)
 
 
 def section_fp8mm(res: dict, dev: str, shapes, ms=(256, 2048)) -> None:
@@ -1003,6 +1061,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                 GEMV_COLD_GRID_WIDE),
                     "awq_gemv": lambda r: section_awq_gemv(r, LLAMA3_8B),
                     "awq_gemv_default": lambda r: section_awq_gemv(r, LLAMA3_8B, []),
+                    "awq_gemv_narrow": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_NARROW),
+                    "awq_gemv_pdl": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_PDL),
+                    "pdl": lambda r: section_pdl(r, LLAMA3_8B),
+                    "small_partition": lambda r: section_small_partition(r, LLAMA3_8B),
+                    "pdl_check": lambda r: section_pdl_check(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),
                     "fp8mm_triton": lambda r: tune_fp8_splitk(r, "cuda", SHAPES, args.fp8mm_ms, FP8_SPLITK_GRID,
                                                               "fp8mm_triton"),

@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _ptx, arrival_counts, round_to_e4m3
+from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
+SMALL_SPLITS = 128  # batch x kv heads < 64: partitions of 64-256 tokens, about this many over the table's width
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -62,7 +63,8 @@ def _load_kv(ptrs, mask, dtype, HW_CVT: tl.constexpr = False):
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_kct, stride_kch, stride_vct, stride_vch, KVH, D, FP8: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -88,7 +90,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                                 v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
                                 v_cache.stride(2), kvh, d, FP8=k_cache.dtype == torch.float8_e4m3fn,
                                 BLOCK_H=triton.next_power_of_2(kvh),
-                                BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
+                                BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps, **pdl_launch(k.device))
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -132,11 +134,12 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
                              FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
+                             F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot. FUSED_REDUCE: the last
     partition of a (sequence, kv head) to finish (an atomic arrival count) combines the partitions' partials, so
-    no reduce kernel is launched."""
+    no reduce kernel is launched. PDL: see triton_ops.pdl_enter."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -229,8 +232,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sequence that fits one partition is finished by its partition's program, and the partials of the others are
     combined by the last of their partitions to finish (fused_reduce=False: by a second, reduce kernel). A row with
     context_len 0 gives zeros. Defaults (sweeps on an H200, bf16, mixed context lengths, block tables as wide as the
-    CUDA graphs capture them: benchmarks/decode_sweep.py): 256-token partitions when B * kvh < 64 (more programs
-    for small batches), 512 below 512 programs, 2048 from there (a long partition per program when the batch alone
+    CUDA graphs capture them: benchmarks/decode_sweep.py): when B * kvh < 64, partitions of 64 to 256 tokens, about
+    SMALL_SPLITS of them over the table's width (more programs for small batches; 64 tokens for an 8192-token table:
+    +2.5% AWQ and +1% bf16 batch-1 decode on the 8B shape against 256, h200_quant.py --sections small_partition),
+    512 below 512 programs, 2048 from there (a long partition per program when the batch alone
     fills the GPU); KV tiles of 64 tokens, 128 for head dims <= 64 or an fp8 cache; 2 pipeline stages. Over an
     fp8 cache with bf16 queries the dots run in fp16 (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster
     than e4m3 -> bf16), and V is converted in registers before its layout change (_e4m3_to_f16).
@@ -239,7 +244,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_cache(k_cache, v_cache)
     _, bs, kvh, _ = k_cache.shape
     assert H % kvh == 0, (H, kvh)
-    partition_size = partition_size or (256 if B * kvh < 64 else 512 if B * kvh < 512 else 2048)
+    if partition_size is None:
+        small = min(256, max(64, triton.next_power_of_2(triton.cdiv(block_tables.shape[1] * bs, SMALL_SPLITS))))
+        partition_size = small if B * kvh < 64 else 512 if B * kvh < 512 else 2048
     num_stages = num_stages or 2
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     block_n = block_n or min(128 if d <= 64 or fp8 else 64, partition_size)
@@ -269,7 +276,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PARTITION=partition_size, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(),
-        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        **pdl_launch(q.device))
     if not single and counts is None:
         _decode_reduce_kernel[(B, kvh)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, num_splits,
                                         D=d, GROUP=group, GROUP_P=group_p, BLOCK_D=block_d, PARTITION=partition_size,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _ptx, arrival_counts
+from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch
 
 # From this many rows on, dequantize + cuBLAS beats the fused kernels (H200, h200_quant.py --sections w4_dequant:
 # qkv, o_proj and down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile
@@ -276,7 +276,8 @@ def _h2_scaled(acc, s2, lo, hi, ASM: tl.constexpr):
 def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N, K, group_size, k_per_split,
                       n_split, stride_qk, stride_sg, stride_zg, stride_psplit, DIRECT: tl.constexpr,
                       FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                      WK: tl.constexpr, STAGES: tl.constexpr, FIXUP_UNROLL: tl.constexpr, ASM: tl.constexpr):
+                      WK: tl.constexpr, STAGES: tl.constexpr, FIXUP_UNROLL: tl.constexpr, ASM: tl.constexpr,
+                      PDL: tl.constexpr):
     """One row of x times the AutoAWQ 4-bit layout (qweight [K, N/8]), in packed fp16 arithmetic: per row of words,
     _h2_row adds x (q - z) to two columns' sums with one fma.f16x2 (13 instructions for a word's 8 codes). A program
     holds BLOCK_W words of columns for one K-split; each K-tile is BLOCK_K rows for each of the WK warps; after a
@@ -287,8 +288,9 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N
     out_ptr, so the call is one deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W
     divides N/8 and K is whole tiles (no masks on the main loads). s_ptr: the fp16 scales read as int32 pairs of
     columns. ASM: the fp16-pair PTX (not under the interpreter or on ROCm, which run the same arithmetic in the
-    _h2_* emulation)."""
+    _h2_* emulation). PDL: see triton_ops.pdl_enter."""
     tl.static_assert(BLOCK_K <= 16)  # the overflow bound above
+    pdl_enter(PDL)
     pid_w, pid_k = tl.program_id(0), tl.program_id(1)
     nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_mask = nw < N // 8
@@ -414,10 +416,14 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
 def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
-    if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2 (h200_quant.py --sections awq_gemv)
-        # (num_stages: the depth of its loop's software pipeline; 1: plain loads, with 8 warps a program)
-        warps, split, stages = (4, 16, 1) if N >= 16384 else (4, 32, 3) if N > 4096 else (8, 16, 1)
-        return dict(block_m=1, block_n=512, block_k=16, split_k=split, num_warps=warps, num_stages=stages)
+    if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2, with programmatic dependent launch
+        # (h200_quant.py --sections awq_gemv_pdl): wide outputs 512 columns a program and 4 warps, the others 256 and
+        # 8 warps, K split in 16 (in 32 for the long K of down_proj); num_stages 1: plain loads, no software pipeline
+        if N >= 16384:
+            bn, warps, split = 512, 4, 16
+        else:
+            bn, warps, split = 256, 8, 32 if K > 8192 else 16
+        return dict(block_m=1, block_n=bn, block_k=16, split_k=split, num_warps=warps, num_stages=1)
     if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
@@ -470,7 +476,7 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
                             qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
                             DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0, BLOCK_W=bw,
                             BLOCK_K=bk, WK=wk, STAGES=cfg["num_stages"], FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
-                            ASM=_ptx(), num_warps=wk, num_stages=1)
+                            ASM=_ptx(), num_warps=wk, num_stages=1, **pdl_launch(dev))
     if not direct and not use_fixup:
         torch.sum(part, 0, out=out.view(N))
     return out

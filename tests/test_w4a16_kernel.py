@@ -388,3 +388,22 @@ def test_ignored_layers_stay_unquantized_and_split_packs_are_refused():
     with pytest.raises(ValueError, match="quantizes some of model.layers.1.self_attn.q_proj, "
                                          "model.layers.1.self_attn.k_proj, model.layers.1.self_attn.v_proj but not"):
         qc.linear_method("model.layers.1.self_attn.qkv_proj")
+
+
+def test_programmatic_dependent_launch_only_on_hopper_nvidia_gpus(monkeypatch):
+    """pdl_launch turns the kernels' PDL on (and the launch option) only for CUDA tensors on compute capability
+    9.0+, outside the interpreter and ROCm, while triton_ops.PDL is set."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
+    monkeypatch.setattr(triton_ops, "_hopper", lambda index: True)
+    monkeypatch.setattr(triton_ops, "PDL", True)
+    assert triton_ops.pdl_launch(cuda) == {"PDL": True, "launch_pdl": True}
+    assert triton_ops.pdl_launch(cpu) == {"PDL": False}
+    monkeypatch.setattr(triton_ops, "_hopper", lambda index: False)  # e.g. an A100
+    assert triton_ops.pdl_launch(cuda) == {"PDL": False}
+    monkeypatch.setattr(triton_ops, "_hopper", lambda index: True)
+    monkeypatch.setattr(triton_ops, "_ptx", lambda: False)  # the interpreter, ROCm
+    assert triton_ops.pdl_launch(cuda) == {"PDL": False}
+    monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
+    monkeypatch.setattr(triton_ops, "PDL", False)
+    assert triton_ops.pdl_launch(cuda) == {"PDL": False}
