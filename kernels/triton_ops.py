@@ -20,7 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # and the AWQ GEMV let the next kernel's programs be scheduled while they run, and each waits for its predecessor's
 # results (griddepcontrol.wait) before touching memory: in a CUDA graph of batch-1 decode the programs of a kernel
 # are then resident when the one before it ends (H200, batch-1 decode: +3.7% AWQ, +1.2% bf16, h200_quant.py
-# --sections pdl).
+# --sections pdl). VSERVE_DISABLE_PDL=1 launches them as before.
 PDL = True
 
 
@@ -50,9 +50,11 @@ def _hopper(index: int | None) -> bool:
 
 
 def pdl_launch(device: torch.device) -> dict:
-    """The PDL constexpr and launch option for a kernel on device: on when PDL is, on NVIDIA GPUs of compute
-    capability 9.0 or more, outside the interpreter (the kernel then calls pdl_enter first)."""
-    on = PDL and device.type == "cuda" and _ptx() and _hopper(device.index)
+    """The PDL constexpr and launch option for a kernel on device: on when PDL is (and VSERVE_DISABLE_PDL is not
+    set), on NVIDIA GPUs of compute capability 9.0 or more, outside the interpreter (the kernel then calls pdl_enter
+    first)."""
+    on = PDL and os.environ.get("VSERVE_DISABLE_PDL", "0") in ("", "0") and device.type == "cuda" and _ptx() and \
+        _hopper(device.index)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -392,8 +392,9 @@ def test_ignored_layers_stay_unquantized_and_split_packs_are_refused():
 
 def test_programmatic_dependent_launch_only_on_hopper_nvidia_gpus(monkeypatch):
     """pdl_launch turns the kernels' PDL on (and the launch option) only for CUDA tensors on compute capability
-    9.0+, outside the interpreter and ROCm, while triton_ops.PDL is set."""
+    9.0+, outside the interpreter and ROCm, while triton_ops.PDL is set and VSERVE_DISABLE_PDL is not."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("VSERVE_DISABLE_PDL", raising=False)
     monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
     monkeypatch.setattr(triton_ops, "_hopper", lambda index: True)
     monkeypatch.setattr(triton_ops, "PDL", True)
@@ -405,5 +406,9 @@ def test_programmatic_dependent_launch_only_on_hopper_nvidia_gpus(monkeypatch):
     monkeypatch.setattr(triton_ops, "_ptx", lambda: False)  # the interpreter, ROCm
     assert triton_ops.pdl_launch(cuda) == {"PDL": False}
     monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
+    monkeypatch.setenv("VSERVE_DISABLE_PDL", "1")
+    assert triton_ops.pdl_launch(cuda) == {"PDL": False}
+    monkeypatch.setenv("VSERVE_DISABLE_PDL", "0")
+    assert triton_ops.pdl_launch(cuda) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(triton_ops, "PDL", False)
     assert triton_ops.pdl_launch(cuda) == {"PDL": False}
