@@ -578,6 +578,9 @@ AWQ_GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk, num_stage
 # narrower column blocks with more K-splits: more programs for the small qkv and o_proj grids
 AWQ_GEMV_NARROW = [dict(block_n=bn, block_k=16, num_warps=w, split_k=sk, num_stages=st) for bn in (128, 256)
                    for w in (2, 4, 8) for sk in (32, 64, 128) for st in (1, 3)]
+# wider programs for gate_up (N = 28672), under programmatic dependent launch (session 21)
+AWQ_GEMV_WIDE = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk, num_stages=1) for bn in (512, 1024)
+                 for bk in (8, 16) for w in (4, 8) for sk in (8, 16, 32)]
 # 256 and 512 columns, around the defaults (session 21, with programmatic dependent launch)
 AWQ_GEMV_PDL = [dict(block_n=bn, block_k=16, num_warps=w, split_k=sk, num_stages=st) for bn in (256, 512)
                 for w in (2, 4, 8) for sk in (16, 32, 64) for st in (1, 3)]
@@ -1063,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
                     "awq_gemv_default": lambda r: section_awq_gemv(r, LLAMA3_8B, []),
                     "awq_gemv_narrow": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_NARROW),
                     "awq_gemv_pdl": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_PDL),
+                    "awq_gemv_wide": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_WIDE),
                     "pdl": lambda r: section_pdl(r, LLAMA3_8B),
                     "small_partition": lambda r: section_small_partition(r, LLAMA3_8B),
                     "pdl_check": lambda r: section_pdl_check(r, LLAMA3_8B),
