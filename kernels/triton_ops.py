@@ -9,12 +9,13 @@ Launch parameters are chosen by size and can be overridden by keyword for benchm
 from __future__ import annotations
 
 import os
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from vserve.kernels.scaled_mm import _capability
 
 # Programmatic dependent launch (Hopper and later): RMSNorm, SiLU-and-mul, RoPE, the KV store, decode attention
 # and the AWQ GEMV let the next kernel's programs be scheduled while they run, and each waits for its predecessor's
@@ -44,17 +45,12 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@cache
-def _hopper(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def pdl_launch(device: torch.device) -> dict:
     """The PDL constexpr and launch option for a kernel on device: on when PDL is (and VSERVE_DISABLE_PDL is not
     set), on NVIDIA GPUs of compute capability 9.0 or more, outside the interpreter (the kernel then calls pdl_enter
     first)."""
     on = PDL and os.environ.get("VSERVE_DISABLE_PDL", "0") in ("", "0") and device.type == "cuda" and _ptx() and \
-        _hopper(device.index)
+        _capability(device) >= (9, 0)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -396,13 +396,13 @@ def test_programmatic_dependent_launch_only_on_hopper_nvidia_gpus(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.delenv("VSERVE_DISABLE_PDL", raising=False)
     monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
-    monkeypatch.setattr(triton_ops, "_hopper", lambda index: True)
+    monkeypatch.setattr(triton_ops, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(triton_ops, "PDL", True)
     assert triton_ops.pdl_launch(cuda) == {"PDL": True, "launch_pdl": True}
     assert triton_ops.pdl_launch(cpu) == {"PDL": False}
-    monkeypatch.setattr(triton_ops, "_hopper", lambda index: False)  # e.g. an A100
+    monkeypatch.setattr(triton_ops, "_capability", lambda device: (8, 0))  # an A100
     assert triton_ops.pdl_launch(cuda) == {"PDL": False}
-    monkeypatch.setattr(triton_ops, "_hopper", lambda index: True)
+    monkeypatch.setattr(triton_ops, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(triton_ops, "_ptx", lambda: False)  # the interpreter, ROCm
     assert triton_ops.pdl_launch(cuda) == {"PDL": False}
     monkeypatch.setattr(triton_ops, "_ptx", lambda: True)
