@@ -601,6 +601,136 @@ def section_awq_gemv(res: dict, base: dict, grid=AWQ_GEMV_GRID) -> None:
     section_bs1_awq(res, base, runs)
 
 
+AWQ_ROWS_MS = (2, 4, 8, 16, 24, 32, 64)
+AWQ_TILE_GRID = [dict(block_m=16, block_n=bn, block_k=bk, num_warps=w, split_k=sk, num_stages=st)
+                 for bn, bk, w, sk, st in ((128, 128, 4, 8, 2), (128, 128, 8, 8, 2), (128, 128, 4, 8, 3),
+                                           (128, 64, 4, 8, 2), (128, 64, 4, 8, 4), (128, 128, 4, 4, 2),
+                                           (128, 128, 4, 16, 3), (256, 128, 8, 4, 2), (256, 64, 8, 8, 3))]
+
+
+def section_awq_rows(res: dict, dev: str = "cuda", cold_bytes: int = 256 << 20, grid=AWQ_TILE_GRID) -> None:
+    """AWQ on a few rows (decode batches 2-64): the tile kernel's exact path (x times the exact q - z, then the
+    scales) and the few-row GEMV checked against the reference on the GPU (bf16 and fp16), then per shape and row
+    count, cold (weight copies beyond L2, CUDA graph): bf16 F.linear, the GEMV (up to 4 rows), the tile kernel with
+    its old dequantization and its exact path at the default launch and over grid (up to 16 rows), dequantize +
+    cuBLAS."""
+    from vserve.kernels import triton_w4a16, w4a16_ref
+    from vserve.kernels.gpu_check import time_ms
+
+    checks, rows = [], []
+    for K, N in SHAPES + [(4096, 200)]:
+        qw, s, z, _, _, gs = w4_weight("awq", K, N, dev)
+        w32 = w4a16_ref.dequantize_weight(qw, s, z, None, "awq", 4, gs)
+        for M, path, kw in ((2, "gemv", {}), (3, "gemv", dict(block_m=1)), (5, "tile", {}), (16, "tile", {}),
+                            (40, "tile64", dict(dequant_m=1 << 30))):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(M, K, device=dev).to(dtype)
+                x[0, ::97] *= 100
+                ref = w4a16_ref.w4a16_gemm_ref(x, qw, s, z, None, "awq", 4, gs)
+                torch_rel = _rel(torch.nn.functional.linear(x, w32.to(dtype)), ref)
+                with _patched(triton_w4a16, AWQ_GEMV_M=8):
+                    got = triton_w4a16.w4a16_gemm(x, qw, s, z, None, "awq", 4, gs, **kw)
+                    again = triton_w4a16.w4a16_gemm(x, qw, s, z, None, "awq", 4, gs, **kw)
+                rel = _rel(got, ref)
+                checks.append(dict(K=K, N=N, M=M, path=path, dtype=str(dtype).split(".")[-1], rel_err=rel,
+                                   torch_rel_err=torch_rel, deterministic=bool(torch.equal(got, again)),
+                                   ok=bool(rel <= max(2e-3 if dtype == torch.float16 else 1.6e-2, 2 * torch_rel))
+                                   and bool(torch.equal(got, again))))
+        del w32
+    print(f"awq_rows checks: {sum(c['ok'] for c in checks)}/{len(checks)} ok", flush=True)
+    for c in checks:
+        if not c["ok"]:
+            print("  not ok:", c, flush=True)
+    res["awq_rows_correct"] = checks
+    for K, N in SHAPES:
+        copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(max(1, -(-cold_bytes // (K * N // 2))))]
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+              for _ in range(max(1, -(-cold_bytes // (K * N * 2))))]
+        for M in AWQ_ROWS_MS:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+
+            def awq(_c=copies, _x=x, _exact=True, **kw):
+                with _patched(triton_w4a16, AWQ_EXACT=_exact, AWQ_GEMV_M=4):
+                    for c in _c:
+                        triton_w4a16.w4a16_gemm(_x, *c, None, "awq", 4, GROUP, **{"dequant_m": 1 << 30, **kw})
+
+            def bf16(_ws=ws, _x=x):
+                for w in _ws:
+                    torch.nn.functional.linear(_x, w)
+
+            def each(f, n=len(copies)):
+                return time_ms(f, dev, iters=4)[0] / n
+
+            row = dict(K=K, N=N, M=M, bf16_ms=each(bf16, len(ws)), tile_old_ms=each(partial(awq, _exact=False,
+                                                                                              block_m=16)),
+                       tile_exact_ms=each(partial(awq, block_m=16)),
+                       dequant_cublas_ms=each(partial(awq, dequant_m=1)))
+            if M <= 4:
+                row["gemv_ms"] = each(awq)
+            timed = []
+            for cfg in grid if M <= 16 else []:
+                try:
+                    timed.append((each(partial(awq, **cfg)), cfg))
+                except Exception:  # out of shared memory etc.
+                    continue
+            timed.sort(key=lambda t: t[0])
+            row["best"] = [dict(ms=t, **c) for t, c in timed[:4]]
+            rows.append(row)
+            print(f"awq rows {K}x{N} M={M}: bf16 {row['bf16_ms']:.4f}, gemv {row.get('gemv_ms', 0):.4f}, tile old "
+                  f"{row['tile_old_ms']:.4f}, exact {row['tile_exact_ms']:.4f}, dequant+cuBLAS "
+                  f"{row['dequant_cublas_ms']:.4f}, best {timed[0] if timed else None}", flush=True)
+        del copies, ws
+    res["awq_rows"] = rows
+
+
+def section_awq_rows_e2e(res: dict, base: dict) -> None:
+    """Decode at batch 1, 2, 4, 8 and 16 (that many requests, prompts of 128 random tokens, 512 new tokens each):
+    bf16, AWQ as shipped, AWQ with rows from 2 on through the tile kernel's old dequantization and launches (as
+    before this change), and at batch 2 AWQ through the exact tile path instead of the GEMV, in this process (an AWQ
+    warm-up run first)."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import triton_w4a16
+
+    orig = triton_w4a16._config
+
+    def before(M, N, K, device, layout=""):  # the generic launches beyond one row, as before this change
+        return orig(M, N, K, device, layout if M == 1 else "")
+
+    old = dict(AWQ_GEMV_M=1, AWQ_EXACT=False, _config=before)
+    runs = [(1, "awq", "warmup", {}), (1, "bf16", "", {}), (1, "awq", "", {})]
+    for b in (2, 4, 8, 16):
+        runs += [(b, "bf16", "", {}), (b, "awq", "", {}), (b, "awq", "_before", old)]
+    runs += [(2, "awq", "_tile", dict(AWQ_GEMV_M=1))]
+    for b, q, tag, attrs in runs:
+        p, o = workload(b, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
+        with _patched(triton_w4a16, **attrs):
+            r = res[f"b{b}_in128_out512_{q}{tag}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o,
+                                                                           max_num_seqs=max(8, b),
+                                                                           enforce_eager=False))
+        print(f"batch {b} {q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
+def section_awq_rows_e2e2(res: dict, base: dict) -> None:
+    """Decode at batch 3, 24 and 48 (as section_awq_rows_e2e): bf16, AWQ as shipped, AWQ at batch 3 through the GEMV
+    (AWQ_GEMV_M = 3) and at 24 and 48 with the old dequantize + cuBLAS thresholds (24 rows, 96 for gate_up)."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import triton_w4a16
+
+    runs = [(3, "bf16", "", {}), (3, "awq", "", {}), (3, "awq", "_gemv", dict(AWQ_GEMV_M=3))]
+    for b in (24, 48):
+        runs += [(b, "bf16", "", {}), (b, "awq", "", {}), (b, "awq", "_old_dequant_m",
+                                                         dict(DEQUANT_M=24, DEQUANT_M_WIDE=96))]
+    for b, q, tag, attrs in runs:
+        p, o = workload(b, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
+        with _patched(triton_w4a16, **attrs):
+            r = res[f"b{b}_in128_out512_{q}{tag}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o,
+                                                                           max_num_seqs=max(8, b),
+                                                                           enforce_eager=False))
+        print(f"batch {b} {q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def section_small_partition(res: dict, base: dict, splits=(128, 64, 32)) -> None:
     """Batch-1 decode of bf16 and AWQ with decode attention's partitions set by each of splits
     (triton_attention.SMALL_SPLITS: 64, 128 and 256 tokens over this shape's 8192-token block tables), each engine
@@ -1051,6 +1181,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                  (128, 128), (512, 512), 50),
                     "profile_bf16_bs1": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_bs1", "bf16", "auto", 1,
                                                                   (128, 128), (512, 512), 50),
+                    "profile_awq_b2": lambda r: section_profile(r, out, LLAMA3_8B, "awq_b2", "awq", "auto", 2,
+                                                                (128, 128), (512, 512), 50),
+                    "profile_bf16_b2": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_b2", "bf16", "auto", 2,
+                                                                 (128, 128), (512, 512), 50),
                     "profile_fp8_256": lambda r: section_profile(r, out, LLAMA3_8B, "fp8_256", "fp8", "fp8", 256,
                                                                  (100, 1024), (100, 1024), 150),
                     "profile_bf16_256": lambda r: section_profile(r, out, LLAMA3_8B, "bf16_256", "bf16", "auto", 256,
@@ -1068,6 +1202,9 @@ def main(argv: list[str] | None = None) -> int:
                     "awq_gemv_pdl": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_PDL),
                     "awq_gemv_wide": lambda r: section_awq_gemv(r, LLAMA3_8B, AWQ_GEMV_WIDE),
                     "pdl": lambda r: section_pdl(r, LLAMA3_8B),
+                    "awq_rows": lambda r: section_awq_rows(r),
+                    "awq_rows_e2e": lambda r: section_awq_rows_e2e(r, LLAMA3_8B),
+                    "awq_rows_e2e2": lambda r: section_awq_rows_e2e2(r, LLAMA3_8B),
                     "small_partition": lambda r: section_small_partition(r, LLAMA3_8B),
                     "pdl_check": lambda r: section_pdl_check(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),

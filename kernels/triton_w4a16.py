@@ -34,6 +34,10 @@ from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launc
 # kernel ahead up to 64 rows)
 DEQUANT_M, DEQUANT_M_WIDE, WIDE_N = 24, 96, 16384
 AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued this many at a time
+# AWQ rows through _awq_gemv_kernel (the weight's codes decoded once for up to AWQ_GEMV_ROWS rows a launch); more rows
+# take the tile kernel
+AWQ_GEMV_M, AWQ_GEMV_ROWS = 2, 8
+AWQ_EXACT = True  # the tile kernel's AWQ path: x times the exact codes minus zeros, then the group's scales
 _DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
 _OUTGROWN: list[torch.Tensor] = []
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
@@ -123,10 +127,61 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, n0, N, group_size, str
 
 
 @triton.jit
+def _awq_exact_tile(qw_ptr, z_ptr, k0, k_end, n0, N, group_size, stride_qk, stride_zg, BF16: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """AWQ codes minus zeros, q - z, of input rows k0.. (below k_end; the tile inside one group) and output columns
+    n0.. (below N) as a [BLOCK_K, BLOCK_N] tile of bf16 (BF16) or fp16: small integers, exact in either, so a dot
+    with x's tile sums exact products and the group's scales can multiply its result. ASM: each word's 8 codes in 4
+    pairs by lop3 into the magic number of 1024 (fp16; 128 for bf16) + q and one packed sub or fma each (see
+    _h2_codes); else in Triton integer ops."""
+    nw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    nw_mask = nw * 8 < N
+    k = k0 + tl.arange(0, BLOCK_K)
+    word = tl.load(qw_ptr + k[:, None] * stride_qk + nw[None, :], mask=(k < k_end)[:, None] & nw_mask[None, :],
+                   other=0)
+    zw = tl.load(z_ptr + (k0 // group_size) * stride_zg + nw, mask=nw_mask, other=0)[None, :]
+    if ASM:
+        if BF16:  # -(128 + z) per pair: 0xC300 | z (-0x3CFF3D00 is 0xC300C300 as an int32); 0x3F80 is 1.0
+            m = 0x000F000F
+            c = tl.inline_asm_elementwise(
+                """{ .reg .b32 t, d, u, one;
+                mov.b32 one, 0x3F803F80;
+                lop3.b32 t, $8, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 d, t, one, $9; mov.b32 {$0, $1}, d;
+                shr.u32 u, $8, 4;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 d, t, one, $10; mov.b32 {$2, $3}, d;
+                shr.u32 u, $8, 8;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 d, t, one, $11; mov.b32 {$4, $5}, d;
+                shr.u32 u, $8, 12;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 d, t, one, $12; mov.b32 {$6, $7}, d; }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+                [word, (zw & m) | -0x3CFF3D00, ((zw >> 4) & m) | -0x3CFF3D00, ((zw >> 8) & m) | -0x3CFF3D00,
+                 ((zw >> 12) & m) | -0x3CFF3D00], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            z0, z1, z2, z3 = _h2_zeros(zw)
+            c = tl.inline_asm_elementwise(
+                """{ .reg .b32 t, d, u, c16;
+                mov.b32 c16, 0x2C002C00;
+                lop3.b32 t, $8, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 d, t, $9; mov.b32 {$0, $1}, d;
+                lop3.b32 t, $8, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 d, t, c16, $10; mov.b32 {$2, $3}, d;
+                shr.u32 u, $8, 8;
+                lop3.b32 t, u, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 d, t, $11; mov.b32 {$4, $5}, d;
+                lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 d, t, c16, $12; mov.b32 {$6, $7}, d; }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, z0, z1, z2, z3], dtype=(tl.float16,) * 8, is_pure=True,
+                pack=1)
+    else:  # column j of each word is field (0, 4, 1, 5, 2, 6, 3, 7)[j]
+        dt = tl.bfloat16 if BF16 else tl.float16
+        c = tuple((((word >> (4 * f)) & 15) - ((zw >> (4 * f)) & 15)).to(dt) for f in (0, 4, 1, 5, 2, 6, 3, 7))
+    # the word's 8 halves as its columns 4 a + 2 b + e: join appends its axis last, so the outermost join picks e
+    d = tl.join(tl.join(tl.join(c[0], c[4]), tl.join(c[2], c[6])), tl.join(tl.join(c[1], c[5]), tl.join(c[3], c[7])))
+    return tl.reshape(d, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_size, k_per_split, stride_xm,
                   stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_om, stride_osplit, LAYOUT: tl.constexpr,
                   BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr = False,
+                  ASM: tl.constexpr = False):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,12 +193,18 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_si
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, pid_n * BLOCK_N, N, group_size, stride_qk,
-                          stride_qn, stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
-        if FP32:
-            acc += tl.dot(a, w, input_precision="ieee")
+        if EXACT:  # AWQ in groups, bf16/fp16 rows: the dot of x with the exact q - z, then the group's scales
+            d = _awq_exact_tile(qw_ptr, z_ptr, k0, k_end, pid_n * BLOCK_N, N, group_size, stride_qk, stride_zg,
+                                a.dtype == tl.bfloat16, BLOCK_K, BLOCK_N, ASM)
+            s = tl.load(s_ptr + (k0 // group_size) * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.dot(a, d) * s[None, :]
         else:
-            acc += tl.dot(a, w.to(a.dtype))
+            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, pid_n * BLOCK_N, N, group_size, stride_qk,
+                              stride_qn, stride_sg, stride_sn, stride_zg, LAYOUT, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
+            if FP32:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w.to(a.dtype))
     out = out_ptr + pid_k.to(tl.int64) * stride_osplit + m[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -211,49 +272,55 @@ def _h2_half(v, HI: tl.constexpr):
 
 
 @triton.jit
-def _h2_fma(acc, x, q, z):
-    """The pair acc + x (q - z), each half rounded to fp16 as fma.rn.f16x2 does (x (q - z) is exact in fp32; its
-    sum with acc is too unless they are 2^8 apart in magnitude, when the fp32 rounding can, rarely, move a tie); the
-    interpreter's path. q, z: int32 pairs of small integers."""
-    lo = _h2_half(acc, False) + _h2_half(x, False) * ((q & 0xFFFF) - (z & 0xFFFF)).to(tl.float32)
-    hi = _h2_half(acc, True) + _h2_half(x, True) * ((q >> 16) - (z >> 16)).to(tl.float32)
+def _h2_fma(acc, x, d, ASM: tl.constexpr):
+    """The fp16 pairs acc + x d (d: a pair of codes minus zeros from _h2_codes), fma.rn.f16x2. The interpreter's
+    path rounds each half to fp16 as the instruction does (x d is exact in fp32; its sum with acc is too unless they
+    are 2^8 apart in magnitude, when the fp32 rounding can, rarely, move a tie)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, d, acc], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    lo = _h2_half(acc, False) + _h2_half(x, False) * _h2_half(d, False)
+    hi = _h2_half(acc, True) + _h2_half(x, True) * _h2_half(d, True)
     lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return lo16 | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
-def _h2_row(w, x2, z0, z1, z2, z3, a0, a1, a2, a3, ASM: tl.constexpr):
-    """One row of words: a_p += x (q - z) for columns (2p, 2p + 1) of each word, in fp16 pairs. z0, z2: the pairs
+def _h2_diff(q, z):
+    """The fp16 pair (q - z) of two int32 pairs of small integers (the interpreter's path)."""
+    lo = ((q & 0xFFFF) - (z & 0xFFFF)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | (((q >> 16) - (z >> 16)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _h2_codes(w, z0, z1, z2, z3, ASM: tl.constexpr):
+    """A word's 8 codes minus their zeros as 4 fp16 pairs, columns (0, 1), (2, 3), (4, 5), (6, 7). z0, z2: the pairs
     1024 + z of columns (0, 1) and (4, 5); z1, z3: -(64 + z) of columns (2, 3) and (6, 7) (see _h2_zeros)."""
     if ASM:
         return tl.inline_asm_elementwise(
-            """{ .reg .b32 t, d, w8, c16;
+            """{ .reg .b32 t, w8, c16;
             mov.b32 c16, 0x2C002C00;
             lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
-            sub.f16x2 d, t, $6;
-            fma.rn.f16x2 $0, $5, d, $10;
+            sub.f16x2 $0, t, $5;
             lop3.b32 t, $4, 0x00F000F0, 0x64006400, 0xEA;
-            fma.rn.f16x2 d, t, c16, $7;
-            fma.rn.f16x2 $1, $5, d, $11;
+            fma.rn.f16x2 $1, t, c16, $6;
             shr.u32 w8, $4, 8;
             lop3.b32 t, w8, 0x000F000F, 0x64006400, 0xEA;
-            sub.f16x2 d, t, $8;
-            fma.rn.f16x2 $2, $5, d, $12;
+            sub.f16x2 $2, t, $7;
             lop3.b32 t, w8, 0x00F000F0, 0x64006400, 0xEA;
-            fma.rn.f16x2 d, t, c16, $9;
-            fma.rn.f16x2 $3, $5, d, $13; }""",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [w, x2, z0, z1, z2, z3, a0, a1, a2, a3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            fma.rn.f16x2 $3, t, c16, $8; }""",
+            "=r,=r,=r,=r,r,r,r,r,r", [w, z0, z1, z2, z3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
     # the interpreter: the same codes and zeros as small integers (fields as in the asm: 0x000F000F at shifts 0, 8;
-    # 0x00F000F0 at 4, 12), each pair's x (q - z) added with one rounding
+    # 0x00F000F0 at 4, 12)
     m = 0x000F000F
-    return (_h2_fma(a0, x2, w & m, z0 & m), _h2_fma(a1, x2, (w >> 4) & m, (z1 >> 4) & m),
-            _h2_fma(a2, x2, (w >> 8) & m, z2 & m), _h2_fma(a3, x2, (w >> 12) & m, (z3 >> 4) & m))
+    return (_h2_diff(w & m, z0 & m), _h2_diff((w >> 4) & m, (z1 >> 4) & m), _h2_diff((w >> 8) & m, z2 & m),
+            _h2_diff((w >> 12) & m, (z3 >> 4) & m))
 
 
 @triton.jit
 def _h2_zeros(zw):
-    """The zero operands of _h2_row from a word of packed zeros (same field order as the codes)."""
+    """The zero operands of _h2_codes from a word of packed zeros (same field order as the codes)."""
     zu = zw >> 8  # arithmetic: only bits 24..31 take the sign, and no mask below keeps them
     return ((zw & 0x000F000F) | 0x64006400, (zw & 0x00F000F0) | -0x2BFF2C00,
             (zu & 0x000F000F) | 0x64006400, (zu & 0x00F000F0) | -0x2BFF2C00)
@@ -273,84 +340,96 @@ def _h2_scaled(acc, s2, lo, hi, ASM: tl.constexpr):
 
 
 @triton.jit
-def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, N, K, group_size, k_per_split,
-                      n_split, stride_qk, stride_sg, stride_zg, stride_psplit, DIRECT: tl.constexpr,
-                      FIXUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                      WK: tl.constexpr, STAGES: tl.constexpr, FIXUP_UNROLL: tl.constexpr, ASM: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One row of x times the AutoAWQ 4-bit layout (qweight [K, N/8]), in packed fp16 arithmetic: per row of words,
-    _h2_row adds x (q - z) to two columns' sums with one fma.f16x2 (13 instructions for a word's 8 codes). A program
-    holds BLOCK_W words of columns for one K-split; each K-tile is BLOCK_K rows for each of the WK warps; after a
-    tile each fp16 sum (BLOCK_K terms) is multiplied by its group's scale into fp32. x is first scaled by a power of
-    two that puts this split's max |x| below 2^8, so no fp16 sum can overflow (|sum| <= 16 * 15 * 2^8 < 65504),
-    and the scale is undone in fp32. Split partials go to part_ptr [n_split, N] fp32; with FIXUP the last program
-    of each column block to finish (an atomic count in lock_ptr, reset to 0 after) sums them in split order into
-    out_ptr, so the call is one deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W
-    divides N/8 and K is whole tiles (no masks on the main loads). s_ptr: the fp16 scales read as int32 pairs of
-    columns. ASM: the fp16-pair PTX (not under the interpreter or on ROCm, which run the same arithmetic in the
-    _h2_* emulation). PDL: see triton_ops.pdl_enter."""
+def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, out_ptr, lock_ptr, M, N, K, group_size, k_per_split,
+                      n_split, stride_xm, stride_qk, stride_sg, stride_zg, stride_psplit, DIRECT: tl.constexpr,
+                      FIXUP: tl.constexpr, EVEN: tl.constexpr, MB: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, FIXUP_UNROLL: tl.constexpr,
+                      ASM: tl.constexpr, PDL: tl.constexpr):
+    """M <= MB rows of x times the AutoAWQ 4-bit layout (qweight [K, N/8]), in packed fp16 arithmetic: each word's
+    codes become 4 fp16 pairs of (q - z) once (_h2_codes, 9 instructions for 8 codes), and one fma.f16x2 per pair
+    and row adds x (q - z) to two columns' sums. A program holds BLOCK_W words of columns for one K-split; each
+    K-tile is BLOCK_K loads of ROWS rows; after a tile each fp16 sum (BLOCK_K terms) is multiplied by its group's
+    scale into fp32. Each row of x is first scaled by a power of two that puts its max |x| in this split below 2^8,
+    so no fp16 sum can overflow (|sum| <= 16 * 15 * 2^8 < 65504), and the scale is undone in fp32. Split partials
+    go to part_ptr [n_split, M, N] fp32; with FIXUP the last program of each column block to finish (an atomic
+    count in lock_ptr, reset to 0 after) sums them in split order into out_ptr ([M, N]), so the call is one
+    deterministic kernel. DIRECT: a single split writes out_ptr itself. EVEN: BLOCK_W divides N/8 and K is whole
+    tiles (no masks on the main loads). s_ptr: the fp16 scales read as int32 pairs of columns. ASM: the fp16-pair
+    PTX (not under the interpreter or on ROCm, which run the same arithmetic in the _h2_* emulation). PDL: see
+    triton_ops.pdl_enter."""
     tl.static_assert(BLOCK_K <= 16)  # the overflow bound above
     pdl_enter(PDL)
     pid_w, pid_k = tl.program_id(0), tl.program_id(1)
     nw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_mask = nw < N // 8
-    warp = tl.arange(0, WK)[:, None]  # [WK, 1]: warp w takes rows w, w + WK, ... of a tile
-    TILE: tl.constexpr = BLOCK_K * WK
+    m = tl.arange(0, MB)[:, None]  # [MB, 1]
+    m_mask = m < M
+    mr = m[:, :, None]  # [MB, 1, 1]
+    row = tl.arange(0, ROWS)[None, :, None]  # [1, ROWS, 1]: load r of a tile takes rows r * ROWS + row
+    TILE: tl.constexpr = BLOCK_K * ROWS
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # the power of two 2^t that puts max |x| of this split below 2^8 (t from max |x|'s exponent field E: t = 134 - E)
-    xm = tl.zeros((512,), dtype=tl.float32)
+    # per row, the power of two 2^t that puts max |x| of this split below 2^8 (t from max |x|'s exponent field E:
+    # t = 134 - E)
+    xm = tl.zeros((MB, 512), dtype=tl.float32)
     for k0 in range(k_start, k_end, 512):
-        kk = k0 + tl.arange(0, 512)
-        xm = tl.maximum(xm, tl.abs(tl.load(x_ptr + kk, mask=kk < k_end, other=0.0).to(tl.float32)))
-    e = (tl.max(xm, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        kk = k0 + tl.arange(0, 512)[None, :]
+        xv = tl.load(x_ptr + m * stride_xm + kk, mask=m_mask & (kk < k_end), other=0.0)
+        xm = tl.maximum(xm, tl.abs(xv.to(tl.float32)))
+    e = (tl.max(xm, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
     t = tl.minimum(tl.maximum(134 - e, -126), 126)
-    up = ((t + 127) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - t) << 23).to(tl.float32, bitcast=True)
-    f0 = tl.zeros((WK, BLOCK_W), dtype=tl.float32)
+    up = ((t + 127) << 23).to(tl.float32, bitcast=True)[:, None, None]  # [MB, 1, 1]
+    down = ((127 - t) << 23).to(tl.float32, bitcast=True)[:, None]  # [MB, 1]
+    f0 = tl.zeros((MB, ROWS, BLOCK_W), dtype=tl.float32)
     f1, f2, f3, f4, f5, f6, f7 = f0, f0, f0, f0, f0, f0, f0
     for k0 in tl.range(k_start, k_end, TILE, num_stages=STAGES):
         g = k0 // group_size
         zw = tl.load(z_ptr + g * stride_zg + nw, mask=w_mask, other=0)
-        z0, z1, z2, z3 = _h2_zeros(zw[None, :])
-        a0 = tl.zeros((WK, BLOCK_W), dtype=tl.int32)  # fp16 pairs, 0.0
+        z0, z1, z2, z3 = _h2_zeros(zw[None, None, :])
+        a0 = tl.zeros((MB, ROWS, BLOCK_W), dtype=tl.int32)  # fp16 pairs, 0.0
         a1, a2, a3 = a0, a0, a0
         for r in tl.static_range(BLOCK_K):
-            k = k0 + r * WK + warp
+            k = k0 + r * ROWS + row
             if EVEN:
-                w = tl.load(qw_ptr + k * stride_qk + nw[None, :])
-                xv = tl.load(x_ptr + k)
+                w = tl.load(qw_ptr + k * stride_qk + nw[None, None, :])
+                xv = tl.load(x_ptr + mr * stride_xm + k, mask=mr < M, other=0.0)
             else:
-                w = tl.load(qw_ptr + k * stride_qk + nw[None, :], mask=(k < k_end) & w_mask[None, :], other=0)
-                xv = tl.load(x_ptr + k, mask=k < k_end, other=0.0)
-            x2 = tl.broadcast_to(_h2_x(xv.to(tl.float32) * up, ASM), (WK, BLOCK_W))
-            a0, a1, a2, a3 = _h2_row(w, x2, z0, z1, z2, z3, a0, a1, a2, a3, ASM)
+                w = tl.load(qw_ptr + k * stride_qk + nw[None, None, :], mask=(k < k_end) & w_mask[None, None, :],
+                            other=0)
+                xv = tl.load(x_ptr + mr * stride_xm + k, mask=(mr < M) & (k < k_end), other=0.0)
+            x2 = tl.broadcast_to(_h2_x(xv.to(tl.float32) * up, ASM), (MB, ROWS, BLOCK_W))
+            d0, d1, d2, d3 = _h2_codes(w, z0, z1, z2, z3, ASM)
+            a0 = _h2_fma(a0, x2, tl.broadcast_to(d0, (MB, ROWS, BLOCK_W)), ASM)
+            a1 = _h2_fma(a1, x2, tl.broadcast_to(d1, (MB, ROWS, BLOCK_W)), ASM)
+            a2 = _h2_fma(a2, x2, tl.broadcast_to(d2, (MB, ROWS, BLOCK_W)), ASM)
+            a3 = _h2_fma(a3, x2, tl.broadcast_to(d3, (MB, ROWS, BLOCK_W)), ASM)
         srow = s_ptr + g * stride_sg + nw * 4
-        f0, f1 = _h2_scaled(a0, tl.load(srow + 0, mask=w_mask, other=0)[None, :], f0, f1, ASM)
-        f2, f3 = _h2_scaled(a1, tl.load(srow + 1, mask=w_mask, other=0)[None, :], f2, f3, ASM)
-        f4, f5 = _h2_scaled(a2, tl.load(srow + 2, mask=w_mask, other=0)[None, :], f4, f5, ASM)
-        f6, f7 = _h2_scaled(a3, tl.load(srow + 3, mask=w_mask, other=0)[None, :], f6, f7, ASM)
-    n = nw * 8
+        f0, f1 = _h2_scaled(a0, tl.load(srow + 0, mask=w_mask, other=0)[None, None, :], f0, f1, ASM)
+        f2, f3 = _h2_scaled(a1, tl.load(srow + 1, mask=w_mask, other=0)[None, None, :], f2, f3, ASM)
+        f4, f5 = _h2_scaled(a2, tl.load(srow + 2, mask=w_mask, other=0)[None, None, :], f4, f5, ASM)
+        f6, f7 = _h2_scaled(a3, tl.load(srow + 3, mask=w_mask, other=0)[None, None, :], f6, f7, ASM)
+    n = m * N + nw[None, :] * 8  # [MB, BLOCK_W]: column 0 of each word, in row m
+    o_mask = m_mask & w_mask[None, :]
     if DIRECT:  # one split: straight into the output
         dst = out_ptr + n
     else:
         dst = part_ptr + pid_k.to(tl.int64) * stride_psplit + n
     ty = dst.dtype.element_ty
-    tl.store(dst + 0, (tl.sum(f0, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 1, (tl.sum(f1, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 2, (tl.sum(f2, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 3, (tl.sum(f3, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 4, (tl.sum(f4, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 5, (tl.sum(f5, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 6, (tl.sum(f6, axis=0) * down).to(ty), mask=w_mask)
-    tl.store(dst + 7, (tl.sum(f7, axis=0) * down).to(ty), mask=w_mask)
+    tl.store(dst + 0, (tl.sum(f0, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 1, (tl.sum(f1, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 2, (tl.sum(f2, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 3, (tl.sum(f3, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 4, (tl.sum(f4, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 5, (tl.sum(f5, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 6, (tl.sum(f6, axis=1) * down).to(ty), mask=o_mask)
+    tl.store(dst + 7, (tl.sum(f7, axis=1) * down).to(ty), mask=o_mask)
     if FIXUP and not DIRECT:
         tl.debug_barrier()  # every thread's partial is stored before the count
         done = tl.atomic_add(lock_ptr + pid_w, 1, sem="acq_rel", scope="gpu")
         if done == n_split - 1:  # the last program of this column block: sum the partials in split order
-            c = nw[:, None] * 8 + tl.arange(0, 8)[None, :]
-            c_mask = w_mask[:, None]
-            tot = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+            c = n[:, :, None] + tl.arange(0, 8)[None, None, :]  # [MB, BLOCK_W, 8]
+            c_mask = o_mask[:, :, None]
+            tot = tl.zeros((MB, BLOCK_W, 8), dtype=tl.float32)
             for i0 in range(0, n_split, FIXUP_UNROLL):  # FIXUP_UNROLL loads in flight at once, then added in order
                 for j in tl.static_range(FIXUP_UNROLL):
                     tot += tl.load(part_ptr + (i0 + j) * stride_psplit + c, mask=c_mask & (i0 + j < n_split),
@@ -424,6 +503,10 @@ def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> d
         else:
             bn, warps, split = 256, 8, 32 if K > 8192 else 16
         return dict(block_m=1, block_n=bn, block_k=16, split_k=split, num_warps=warps, num_stages=1)
+    if layout == "awq" and M <= AWQ_GEMV_M:  # _awq_gemv_kernel for a few rows (h200_quant.py --sections awq_rows)
+        return dict(block_m=1, block_n=256, block_k=16, split_k=16 if K > 8192 else 8, num_warps=8, num_stages=1)
+    if layout == "awq" and M <= 16:  # the tile kernel's exact AWQ path: the best of awq_rows's grid at 2-16 rows
+        return dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=2)
     if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
@@ -447,15 +530,16 @@ def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> d
 
 
 def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
-    """Launch _awq_gemv_kernel: block_n columns (8 per word) per program, block_k rows per warp slice, num_warps
-    slices; K split into whole groups, or into whole tiles inside a group."""
-    bw, wk = max(1, cfg["block_n"] // 8), cfg["num_warps"]
-    bk = cfg["block_k"]
-    while group_size % (bk * wk) and bk > 1:
+    """Launch _awq_gemv_kernel for the rows of x [M, K] (M <= AWQ_GEMV_M): block_n columns (8 per word) per program,
+    block_k loads of block_r rows (num_warps unless given) per K-tile; K split into whole groups, or into whole
+    tiles inside a group."""
+    M = x.shape[0]
+    bw, rows, bk = max(1, cfg["block_n"] // 8), cfg.get("block_r") or cfg["num_warps"], min(16, cfg["block_k"])
+    while group_size % (bk * rows) and bk > 1:
         bk //= 2
-    while group_size % (bk * wk):
-        wk //= 2
-    tile = bk * wk
+    while group_size % (bk * rows):
+        rows //= 2
+    tile = bk * rows
     split = max(1, min(cfg["split_k"], K // tile))
     kps = triton.cdiv(K, split)
     if kps >= group_size:  # whole groups
@@ -470,15 +554,16 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
     grid = (triton.cdiv(N // 8, bw), split)
     counts = arrival_counts(dev, grid[0]) if fixup and not direct else None  # per column block
     use_fixup = counts is not None
-    part = out if direct else torch.empty(split, N, dtype=torch.float32, device=dev)
+    part = out if direct else torch.empty(split, M, N, dtype=torch.float32, device=dev)
     s2 = s.view(torch.int32)  # fp16 scales as pairs of columns
-    _awq_gemv_kernel[grid](x, qw, s2, z, part, out, counts if use_fixup else part, N, K, group_size, kps, split,
-                            qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
-                            DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0, BLOCK_W=bw,
-                            BLOCK_K=bk, WK=wk, STAGES=cfg["num_stages"], FIXUP_UNROLL=AWQ_FIXUP_UNROLL,
-                            ASM=_ptx(), num_warps=wk, num_stages=1, **pdl_launch(dev))
+    _awq_gemv_kernel[grid](x, qw, s2, z, part, out, counts if use_fixup else part, M, N, K, group_size, kps, split,
+                            x.stride(0), qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
+                            DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
+                            MB=triton.next_power_of_2(M), BLOCK_W=bw, BLOCK_K=bk, ROWS=rows, STAGES=cfg["num_stages"],
+                            FIXUP_UNROLL=AWQ_FIXUP_UNROLL, ASM=_ptx(), num_warps=cfg["num_warps"], num_stages=1,
+                            **pdl_launch(dev))
     if not direct and not use_fixup:
-        torch.sum(part, 0, out=out.view(N))
+        torch.sum(part, 0, out=out.view(M, N))
     return out
 
 
@@ -548,18 +633,20 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     # _awq_gemv_kernel sums x (q - z) in fp16: fine for bf16 and fp16 rows (about as precise as a GEMM on the weight
     # dequantized to fp16), not for fp32 ones, which take the other kernels (and their launch parameters); AWQ's
     # scales are fp16 (the kernel reads them as pairs)
-    awq_gemv = layout == "awq" and bits == 4 and x.dtype != torch.float32 and scales.dtype == torch.float16
-    cfg = _config(M, N, K, x.device, layout if awq_gemv else "")
+    awq16 = layout == "awq" and bits == 4 and x.dtype != torch.float32 and scales.dtype == torch.float16
+    cfg = _config(M, N, K, x.device, layout if awq16 else "")
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
     qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
                                                                 group_size, K, cfg["block_k"])
-    gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack", "awq") and not has_g
-    if gemv and layout == "awq":
-        if awq_gemv:
-            return _awq_gemv(x2, qw, s, z, out, N, K, gs, cfg, fixup)
-        gemv = False  # (served AWQ is 4-bit with fp16 scales; float32 as above) the tile kernel
+    if awq16 and M <= AWQ_GEMV_M and cfg["block_m"] == 1 and not has_g:  # launches of <= AWQ_GEMV_ROWS rows, even
+        rows = triton.cdiv(M, triton.cdiv(M, AWQ_GEMV_ROWS))
+        o2 = out.view(M, N)
+        for i in range(0, M, rows):
+            _awq_gemv(x2[i:i + rows], qw, s, z, o2[i:i + rows], N, K, gs, cfg, fixup)
+        return out
+    gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack") and not has_g
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # a multiple of the tile: splits stay in one group
     split = triton.cdiv(K, k_per_split)
@@ -572,12 +659,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                            num_stages=cfg["num_stages"])
     else:
         block_m = max(16, cfg["block_m"])  # the dot needs 16 rows (a one-row launch without a GEMV path)
+        # AWQ with contiguous groups and 16-bit rows: dot with the exact codes minus zeros, scales after it
+        exact = layout == "awq" and bits == 4 and not has_g and x.dtype != torch.float32 and AWQ_EXACT
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg["block_n"]), split)
         _w4a16_kernel[grid](x2, qw, s, z, g, dst, M, N, K, gs, k_per_split, x2.stride(0), sqk, sqn, ssg, ssn, szg,
                             dst.stride(-2), dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout],
                             BITS=bits, HAS_G_IDX=has_g, FP32=x.dtype == torch.float32, BLOCK_M=block_m,
-                            BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
-                            num_stages=cfg["num_stages"])
+                            BLOCK_N=cfg["block_n"], BLOCK_K=bk, EXACT=exact, ASM=exact and _ptx(),
+                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         torch.sum(dst, 0, out=out.view(M, N))  # the partials in a fixed order: deterministic
     return out

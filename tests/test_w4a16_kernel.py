@@ -76,8 +76,10 @@ def _on_device(t):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,dequant_m", [(1, None), (7, None), (80, 1 << 30), (40, None)])
 def test_w4a16_gemm_matches_reference(seed, layout, N, K, group, act_order, dtype, M, dequant_m):
-    """M = 1 and 7: the 16-row decode tile with split-K; 80 (dequantize + cuBLAS put off): two 64-row tiles of the
-    tiled path; 40 (>= DEQUANT_M): the weight dequantized into the shared buffer, then torch.matmul."""
+    """M = 1 and 7: the 16-row decode tile with split-K (AWQ in fp16: its GEMV at 1 row; at 7 rows, and at 80, the
+    tile kernel's exact path, x times the exact q - z and then the scales); 80 (dequantize + cuBLAS put off): two
+    64-row tiles of the tiled path; 40 (>= DEQUANT_M): the weight dequantized into the shared buffer, then
+    torch.matmul."""
     qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight(layout, N, K, group, act_order))
     kind = layout.split("_")[0].rstrip("48")
     x = torch.randn(M, K, device=DEVICE).to(dtype)
@@ -128,7 +130,8 @@ def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k)
     qweight, scales, qzeros, g_idx, bits, gs = map(_on_device, quantized_weight("awq", 64, 384, 32))
     x = torch.randn(2, 384, device=DEVICE, dtype=torch.float16)
     ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, None, "awq", 4, 32)
-    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k, block_k=64)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k, block_k=64,
+                                  block_m=16)  # the tile kernel (AWQ's GEMV would take these rows by default)
     _close(got, ref, torch.float16, seed)
     whole = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, dequant_m=1)  # cuBLAS path
     _close(whole, ref, torch.float16, seed)
@@ -159,6 +162,33 @@ def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     assert torch.equal(got, again)
 
 
+@pytest.mark.parametrize("M,N,K,group,launch", [
+    (2, 192, 256, 64, dict(split_k=2)),  # two rows in one launch, partials summed by the last program
+    (3, 200, 384, 32, dict(split_k=3, block_n=256, num_warps=4)),  # 3 of 4 rows: masked row and column tails
+    (8, 128, 256, 128, dict(split_k=1)),  # a full launch of AWQ_GEMV_ROWS rows, written straight to the output
+    (11, 128, 256, 64, dict(split_k=2)),  # more than AWQ_GEMV_ROWS: launches of 6 and 5 rows
+])
+def test_awq_gemv_takes_a_few_rows_at_once(seed, monkeypatch, M, N, K, group, launch):
+    """Decode batches of up to AWQ_GEMV_M rows go through the AWQ GEMV, which decodes each word of codes once for all
+    the rows of a launch: each row as the reference, the same bits as that row alone, with the partials summed by
+    the kernel's last program (every arrival count back at 0; in split order) or by a second kernel."""
+    monkeypatch.setattr(triton_w4a16, "AWQ_GEMV_M", 16)
+    qweight, scales, qzeros, _, _, gs = map(_on_device, quantized_weight("awq", N, K, group))
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.float16)
+    mag = torch.ones(M, 1, device=DEVICE)
+    mag[1] = 100  # rows of other magnitudes: each has its own power-of-two scale
+    x = x * mag.half()
+    ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, None, "awq", 4, gs)
+    out = torch.full((M, N), float("nan"), dtype=torch.float16, device=DEVICE)
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, out=out, **launch)
+    _close(got.float() / mag, ref / mag, torch.float16, seed)
+    assert int(triton_ops.arrival_counts(x.device, 1).abs().sum()) == 0
+    two_kernels = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, fixup=False, **launch)
+    _close(two_kernels.float() / mag, ref / mag, torch.float16, seed)
+    alone = triton_w4a16.w4a16_gemm(x[M - 1:], qweight, scales, qzeros, None, "awq", 4, gs, **launch)
+    assert torch.equal(alone[0], got[M - 1]), seed
+
+
 def test_awq_gemv_is_as_precise_as_a_gemm_on_the_dequantized_weight(seed):
     """The AWQ GEMV adds x (q - z) in fp16 pairs, 16 rows at a time, before the scales and the rest of the sum in
     fp32. With every code and zero from 0 to 15 and a few activations 1000x the others (LLMs' massive
@@ -186,16 +216,19 @@ def test_awq_gemv_is_as_precise_as_a_gemm_on_the_dequantized_weight(seed):
     assert got[0] <= 4 * fp16[0] and got[1] <= 4 * fp16[1], (got, fp16, seed)
 
 
-@pytest.mark.parametrize("scale", [1e30, 1e-30])
-def test_awq_gemv_scales_bf16_activations_into_fp16_range(seed, scale):
-    """bf16 activations far outside fp16's range (1e30, 1e-30) are scaled by a power of two before the fp16
-    arithmetic: finite outputs, as close to the exact ones as at ordinary magnitudes."""
+@pytest.mark.parametrize("mags", [(1e30,), (1e-30,), (1e30, 1e-30, 1.0)])
+def test_awq_gemv_scales_bf16_activations_into_fp16_range(seed, monkeypatch, mags):
+    """bf16 activations far outside fp16's range (1e30, 1e-30; in one launch, rows of both and an ordinary one) are
+    scaled, each row by its own power of two, before the fp16 arithmetic: finite outputs, as close to the exact
+    ones as at ordinary magnitudes."""
+    monkeypatch.setattr(triton_w4a16, "AWQ_GEMV_M", 8)  # every row count here through the GEMV
     qweight, scales, qzeros, _, _, gs = map(_on_device, quantized_weight("awq", 64, 512, 128))
-    x = (torch.randn(1, 512, device=DEVICE) * scale).to(torch.bfloat16)
+    x = (torch.randn(len(mags), 512, device=DEVICE) * torch.tensor(mags, device=DEVICE)[:, None]).to(torch.bfloat16)
     got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs).double()
     exact = x.double() @ w4a16_ref.dequantize_weight(qweight, scales, qzeros, None, "awq", 4, gs).double().t()
     assert bool(torch.isfinite(got).all()), seed
-    assert float((got - exact).norm() / exact.norm()) < 1e-2, seed
+    rel = (got - exact).norm(dim=1) / exact.norm(dim=1)
+    assert float(rel.max()) < 1e-2, (rel, seed)
 
 
 def test_ptx_kernels_fall_back_to_plain_triton_under_the_interpreter_and_on_rocm(monkeypatch):
