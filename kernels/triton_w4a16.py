@@ -3,13 +3,15 @@
 Matches kernels/w4a16_ref.py:w4a16_gemm_ref (same signature, same layouts: AutoAWQ GEMM, GPTQ 4/8-bit with
 an act-order g_idx, compressed-tensors pack-quantized 4/8-bit, and symmetric per-channel int8/fp8 [N, K]). Each
 K-tile of codes is unpacked, dequantized as (q - z) * s in fp32, rounded to x's dtype and fed to tl.dot with
-fp32 accumulation.
+fp32 accumulation; AWQ with bf16 or fp16 rows instead feeds tl.dot the exact q - z in x's dtype and multiplies
+the group's scales into the dot's fp32 result (`_awq_exact_tile`, AWQ_EXACT).
 
 Four paths by the number of rows M:
 - M == 1 (batch-1 decode) on the integer layouts with contiguous groups: a GEMV kernel that applies scale and
-  zero once per group and column (y += s (x.q - z sum x)), split over K; for AWQ (fp16 or bf16 rows)
-  `_awq_gemv_kernel`, which works on pairs of fp16 values (two codes an instruction) and sums its split partials
-  itself, for GPTQ and pack `_gemv_kernel`;
+  zero once per group and column (y += s (x.q - z sum x)), split over K; for AWQ (fp16 or bf16 rows, up to
+  AWQ_GEMV_M of them) `_awq_gemv_kernel`, which works on pairs of fp16 values (two codes an instruction; each
+  word's codes decoded once for all the rows of a launch) and sums its split partials itself, for GPTQ and pack
+  `_gemv_kernel`;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
   writes an fp32 partial; the partials are summed in a fixed order);
 - 16 < M < DEQUANT_M (DEQUANT_M_WIDE for wide weights): tiled, with larger row tiles;
@@ -35,7 +37,9 @@ from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launc
 DEQUANT_M, DEQUANT_M_WIDE, WIDE_N = 24, 96, 16384
 AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued this many at a time
 # AWQ rows through _awq_gemv_kernel (the weight's codes decoded once for up to AWQ_GEMV_ROWS rows a launch); more rows
-# take the tile kernel
+# take the tile kernel. H200 (h200_quant.py --sections awq_rows, awq_rows_e2e2): at 2 rows the GEMV beats bf16 cuBLAS
+# per GEMM; from 3 its per-row x conversions and fp16 FMAs cost more than the tile kernel's tensor-core dot (batch-3
+# decode the same either way, 4 rows 2-3x slower per GEMM)
 AWQ_GEMV_M, AWQ_GEMV_ROWS = 2, 8
 AWQ_EXACT = True  # the tile kernel's AWQ path: x times the exact codes minus zeros, then the group's scales
 _DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
