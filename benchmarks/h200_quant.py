@@ -683,13 +683,27 @@ def section_awq_rows(res: dict, dev: str = "cuda", cold_bytes: int = 256 << 20, 
     res["awq_rows"] = rows
 
 
+def _decode_batches(res: dict, base: dict, runs: list) -> None:
+    """For each (batch, quantization, tag, {triton_w4a16 attribute: value}) of runs, in this process: that many
+    requests, prompts of 128 random tokens, 512 new tokens each, with the attributes set."""
+    from h200_engine import run_vserve, workload
+
+    from vserve.kernels import triton_w4a16
+
+    for b, q, tag, attrs in runs:
+        p, o = workload(b, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
+        with _patched(triton_w4a16, **attrs):
+            r = res[f"b{b}_in128_out512_{q}{tag}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o,
+                                                                           max_num_seqs=max(8, b),
+                                                                           enforce_eager=False))
+        print(f"batch {b} {q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+
+
 def section_awq_rows_e2e(res: dict, base: dict) -> None:
     """Decode at batch 1, 2, 4, 8 and 16 (that many requests, prompts of 128 random tokens, 512 new tokens each):
     bf16, AWQ as shipped, AWQ with rows from 2 on through the tile kernel's old dequantization and launches (as
     before this change), and at batch 2 AWQ through the exact tile path instead of the GEMV, in this process (an AWQ
     warm-up run first)."""
-    from h200_engine import run_vserve, workload
-
     from vserve.kernels import triton_w4a16
 
     orig = triton_w4a16._config
@@ -697,38 +711,35 @@ def section_awq_rows_e2e(res: dict, base: dict) -> None:
     def before(M, N, K, device, layout=""):  # the generic launches beyond one row, as before this change
         return orig(M, N, K, device, layout if M == 1 else "")
 
-    old = dict(AWQ_GEMV_M=1, AWQ_EXACT=False, _config=before)
+    # (no arrival counts: the tile kernel's split partials summed by a second kernel; batches of 2 and more never
+    # reach the one-row GEMV, which also takes them)
+    old = dict(AWQ_GEMV_M=1, AWQ_EXACT=False, _config=before, arrival_counts=lambda device, n: None)
     runs = [(1, "awq", "warmup", {}), (1, "bf16", "", {}), (1, "awq", "", {})]
     for b in (2, 4, 8, 16):
         runs += [(b, "bf16", "", {}), (b, "awq", "", {}), (b, "awq", "_before", old)]
     runs += [(2, "awq", "_tile", dict(AWQ_GEMV_M=1))]
-    for b, q, tag, attrs in runs:
-        p, o = workload(b, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
-        with _patched(triton_w4a16, **attrs):
-            r = res[f"b{b}_in128_out512_{q}{tag}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o,
-                                                                           max_num_seqs=max(8, b),
-                                                                           enforce_eager=False))
-        print(f"batch {b} {q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+    _decode_batches(res, base, runs)
 
 
 def section_awq_rows_e2e2(res: dict, base: dict) -> None:
     """Decode at batch 3, 24 and 48 (as section_awq_rows_e2e): bf16, AWQ as shipped, AWQ at batch 3 through the GEMV
     (AWQ_GEMV_M = 3) and at 24 and 48 with the old dequantize + cuBLAS thresholds (24 rows, 96 for gate_up)."""
-    from h200_engine import run_vserve, workload
-
-    from vserve.kernels import triton_w4a16
-
     runs = [(3, "bf16", "", {}), (3, "awq", "", {}), (3, "awq", "_gemv", dict(AWQ_GEMV_M=3))]
     for b in (24, 48):
         runs += [(b, "bf16", "", {}), (b, "awq", "", {}), (b, "awq", "_old_dequant_m",
                                                          dict(DEQUANT_M=24, DEQUANT_M_WIDE=96))]
-    for b, q, tag, attrs in runs:
-        p, o = workload(b, 3, base["vocab_size"], (512, 512), in_len=(128, 128))
-        with _patched(triton_w4a16, **attrs):
-            r = res[f"b{b}_in128_out512_{q}{tag}"] = _drop_plan(run_vserve(_model_cfg(base, q), p, o,
-                                                                           max_num_seqs=max(8, b),
-                                                                           enforce_eager=False))
-        print(f"batch {b} {q}{tag}: {r['output_tok_s']:.1f} tok/s", flush=True)
+    _decode_batches(res, base, runs)
+
+
+def section_awq_fixup_e2e(res: dict, base: dict) -> None:
+    """Decode at batch 4, 8 and 16 (as section_awq_rows_e2e): bf16, AWQ as shipped (the tile kernel's split partials
+    summed by its last program per output tile), AWQ with them summed by a second kernel (no arrival counts), in
+    this process."""
+    runs = []
+    for b in (4, 8, 16):
+        runs += [(b, "bf16", "", {}), (b, "awq", "", {}), (b, "awq", "_two_kernels",
+                                                         dict(arrival_counts=lambda device, n: None))]
+    _decode_batches(res, base, runs)
 
 
 def section_small_partition(res: dict, base: dict, splits=(128, 64, 32)) -> None:
@@ -1205,6 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
                     "awq_rows": lambda r: section_awq_rows(r),
                     "awq_rows_e2e": lambda r: section_awq_rows_e2e(r, LLAMA3_8B),
                     "awq_rows_e2e2": lambda r: section_awq_rows_e2e2(r, LLAMA3_8B),
+                    "awq_fixup_e2e": lambda r: section_awq_fixup_e2e(r, LLAMA3_8B),
                     "small_partition": lambda r: section_small_partition(r, LLAMA3_8B),
                     "pdl_check": lambda r: section_pdl_check(r, LLAMA3_8B),
                     "fp8mm": lambda r: section_fp8mm(r, "cuda", SHAPES, args.fp8mm_ms),

@@ -13,7 +13,7 @@ Four paths by the number of rows M:
   word's codes decoded once for all the rows of a launch) and sums its split partials itself, for GPTQ and pack
   `_gemv_kernel`;
 - M <= 16 (decode): one 16-row tile, and split-K so that a few output tiles still fill the GPU (each split
-  writes an fp32 partial; the partials are summed in a fixed order);
+  writes an fp32 partial; the last program of each output tile to finish sums them in split order);
 - 16 < M < DEQUANT_M (DEQUANT_M_WIDE for wide weights): tiled, with larger row tiles;
 - M >= DEQUANT_M (larger decode batches, prefills): dequantize the whole weight into x's dtype and hand it to
   cuBLAS (writing and reading a bf16 weight costs less than the tile kernel's dequantization per row tile; one
@@ -181,8 +181,9 @@ def _awq_exact_tile(qw_ptr, z_ptr, k0, k_end, n0, N, group_size, stride_qk, stri
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_size, k_per_split, stride_xm,
-                  stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_om, stride_osplit, LAYOUT: tl.constexpr,
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, res_ptr, lock_ptr, M, N, K, group_size, k_per_split,
+                  n_split, stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_om, stride_osplit,
+                  stride_rm, FIXUP: tl.constexpr, LAYOUT: tl.constexpr,
                   BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr = False,
                   ASM: tl.constexpr = False):
@@ -210,7 +211,21 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, group_si
             else:
                 acc += tl.dot(a, w.to(a.dtype))
     out = out_ptr + pid_k.to(tl.int64) * stride_osplit + m[:, None] * stride_om + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if FIXUP:  # the last program of this output tile to finish sums the split partials, in split order
+        tl.debug_barrier()  # every thread's partial is stored before the count
+        tile = pid_m * tl.num_programs(1) + pid_n
+        done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == n_split - 1:
+            part = out_ptr + m[:, None] * stride_om + n[None, :]
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i0 in range(0, n_split, 4):  # 4 loads in flight at once, then added in order
+                for j in tl.static_range(4):
+                    tot += tl.load(part + (i0 + j) * stride_osplit, mask=mask & (i0 + j < n_split), other=0.0,
+                                   cache_modifier=".cg")
+            tl.store(res_ptr + m[:, None] * stride_rm + n[None, :], tot.to(res_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call (CUDA-graph replays included)
 
 
 @triton.jit
@@ -614,8 +629,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                out: torch.Tensor | None = None, fixup: bool = True) -> torch.Tensor:
     """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters and the
     rows from which the weight is dequantized for cuBLAS (DEQUANT_M); out: a contiguous [..., N] buffer to write
-    into; fixup=False: the AWQ GEMV sums its K-split partials in a second kernel instead of in its last program per
-    column block."""
+    into; fixup=False: the AWQ GEMV and the tile kernel sum their K-split partials in a second kernel instead of in
+    their last program per output block."""
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
     x2 = x.reshape(-1, K)
@@ -666,11 +681,17 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         # AWQ with contiguous groups and 16-bit rows: dot with the exact codes minus zeros, scales after it
         exact = layout == "awq" and bits == 4 and not has_g and x.dtype != torch.float32 and AWQ_EXACT
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg["block_n"]), split)
-        _w4a16_kernel[grid](x2, qw, s, z, g, dst, M, N, K, gs, k_per_split, x2.stride(0), sqk, sqn, ssg, ssn, szg,
-                            dst.stride(-2), dst.stride(0) if split > 1 else 0, LAYOUT=_LAYOUT_IDS[layout],
-                            BITS=bits, HAS_G_IDX=has_g, FP32=x.dtype == torch.float32, BLOCK_M=block_m,
-                            BLOCK_N=cfg["block_n"], BLOCK_K=bk, EXACT=exact, ASM=exact and _ptx(),
+        # split partials summed by the last program of each output tile (fixup) or by a second kernel
+        counts = arrival_counts(x.device, grid[0] * grid[1]) if fixup and split > 1 else None
+        o2 = out.view(M, N)
+        _w4a16_kernel[grid](x2, qw, s, z, g, dst, o2, dst if counts is None else counts, M, N, K, gs, k_per_split,
+                            split, x2.stride(0), sqk, sqn, ssg, ssn, szg, dst.stride(-2),
+                            dst.stride(0) if split > 1 else 0, o2.stride(0), FIXUP=counts is not None,
+                            LAYOUT=_LAYOUT_IDS[layout], BITS=bits, HAS_G_IDX=has_g, FP32=x.dtype == torch.float32,
+                            BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=bk, EXACT=exact, ASM=exact and _ptx(),
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if counts is not None:
+            return out
     if split > 1:
         torch.sum(dst, 0, out=out.view(M, N))  # the partials in a fixed order: deterministic
     return out

@@ -133,6 +133,14 @@ def test_split_k_and_the_dequantize_path_agree_with_the_reference(seed, split_k)
     got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k, block_k=64,
                                   block_m=16)  # the tile kernel (AWQ's GEMV would take these rows by default)
     _close(got, ref, torch.float16, seed)
+    # the split partials summed by the last program of each output tile (above) or by a second kernel
+    assert int(triton_ops.arrival_counts(x.device, 1).abs().sum()) == 0
+    two_kernels = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k,
+                                          block_k=64, block_m=16, fixup=False)
+    _close(two_kernels, ref, torch.float16, seed)
+    again = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, split_k=split_k, block_k=64,
+                                    block_m=16)
+    assert torch.equal(got, again), seed
     whole = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, 32, dequant_m=1)  # cuBLAS path
     _close(whole, ref, torch.float16, seed)
     w = triton_w4a16.w4a16_dequantize(qweight, scales, qzeros, None, "awq", 4, 32, torch.float32)
