@@ -549,11 +549,11 @@ def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> d
 
 
 def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
-    """Launch _awq_gemv_kernel for the rows of x [M, K] (M <= AWQ_GEMV_M): block_n columns (8 per word) per program,
-    block_k loads of block_r rows (num_warps unless given) per K-tile; K split into whole groups, or into whole
-    tiles inside a group."""
+    """Launch _awq_gemv_kernel for the rows of x [M, K] (M <= AWQ_GEMV_ROWS): block_n columns (8 per word) per
+    program, block_k loads of num_warps rows per K-tile; K split into whole groups, or into whole tiles inside a
+    group."""
     M = x.shape[0]
-    bw, rows, bk = max(1, cfg["block_n"] // 8), cfg.get("block_r") or cfg["num_warps"], min(16, cfg["block_k"])
+    bw, rows, bk = max(1, cfg["block_n"] // 8), cfg["num_warps"], min(16, cfg["block_k"])
     while group_size % (bk * rows) and bk > 1:
         bk //= 2
     while group_size % (bk * rows):
