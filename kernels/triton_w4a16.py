@@ -39,7 +39,7 @@ AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued 
 # AWQ rows through _awq_gemv_kernel (the weight's codes decoded once for up to AWQ_GEMV_ROWS rows a launch); more rows
 # take the tile kernel. H200 (h200_quant.py --sections awq_rows, awq_rows_e2e2): at 2 rows the GEMV beats bf16 cuBLAS
 # per GEMM; from 3 its per-row x conversions and fp16 FMAs cost more than the tile kernel's tensor-core dot (batch-3
-# decode the same either way, 4 rows 2-3x slower per GEMM)
+# decode the same either way, at 4 rows 1.6-2.4x slower per GEMM)
 AWQ_GEMV_M, AWQ_GEMV_ROWS = 2, 8
 AWQ_EXACT = True  # the tile kernel's AWQ path: x times the exact codes minus zeros, then the group's scales
 _DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
