@@ -370,6 +370,15 @@ GEMV_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn in (51
              for w in (2, 4, 8) for sk in (2, 4, 8, 16, 32)]
 
 
+def _cold_awq_and_bf16(K: int, N: int, dev: str, cold_bytes: int) -> tuple[list, list]:
+    """Enough copies of a random AWQ [N, K] weight ((qweight, scales, qzeros) each) and of a bf16 one that cycling
+    through either reads at least cold_bytes, so no call finds its weight in L2 (as in a decode step)."""
+    copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(max(1, -(-cold_bytes // (K * N // 2))))]
+    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+          for _ in range(max(1, -(-cold_bytes // (K * N * 2))))]
+    return copies, ws
+
+
 def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False, cold_bytes: int = 256 << 20) -> None:
     """The AWQ batch-1 GEMV (_awq_gemv_kernel): against its reference in bf16 and fp16 (default launch, with and
     without the in-kernel split fixup), then timed beside bf16 F.linear over a launch grid; best per shape. cold:
@@ -395,10 +404,8 @@ def section_gemv(res: dict, dev: str, shapes, grid=GEMV_GRID, cold: bool = False
         del w32
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         if cold:  # as in a decode step, each call's weights are not in L2: cycle through copies > 4x L2
-            reps = max(1, -(-cold_bytes // (K * N // 2)))
-            copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(reps)]
-            wreps = max(1, -(-cold_bytes // (K * N * 2)))
-            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(wreps)]
+            copies, ws = _cold_awq_and_bf16(K, N, dev, cold_bytes)
+            reps, wreps = len(copies), len(ws)
         else:
             copies, reps = [(qw, s, z)], 1
             ws, wreps = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02], 1
@@ -495,9 +502,7 @@ def section_w4_dequant(res: dict, base: dict, dev: str = "cuda", cold_bytes: int
 
     rows = []
     for K, N in SHAPES:
-        copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(max(1, -(-cold_bytes // (K * N // 2))))]
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-              for _ in range(max(1, -(-cold_bytes // (K * N * 2))))]
+        copies, ws = _cold_awq_and_bf16(K, N, dev, cold_bytes)
         for M in W4_DEQUANT_MS:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
 
@@ -643,9 +648,7 @@ def section_awq_rows(res: dict, dev: str = "cuda", cold_bytes: int = 256 << 20, 
             print("  not ok:", c, flush=True)
     res["awq_rows_correct"] = checks
     for K, N in SHAPES:
-        copies = [w4_weight("awq", K, N, dev)[:3] for _ in range(max(1, -(-cold_bytes // (K * N // 2))))]
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-              for _ in range(max(1, -(-cold_bytes // (K * N * 2))))]
+        copies, ws = _cold_awq_and_bf16(K, N, dev, cold_bytes)
         for M in AWQ_ROWS_MS:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
 
