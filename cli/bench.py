@@ -66,10 +66,12 @@ def run_vserve(llm, w: Workload) -> Result:
 def hf_model_folder(engine_args: dict[str, Any]) -> tuple[Path, str]:
     """The HF folder vserve loaded (the default model's converted folder when --model is not given)."""
     from vserve.core.assets import default_model_path
+    from vserve.core.config import EngineConfig
+    from vserve.core.hub import resolve_model_files
     from vserve.core.loader import resolve_model
 
-    path, fmt = resolve_model(engine_args["model"] or str(default_model_path()),
-                              engine_args["load_format"] or "auto")
+    config = resolve_model_files(EngineConfig.resolve(engine_args))
+    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
     if fmt == "gguf":
         raise ValueError(f"--backend hf needs an HF model folder (config.json + safetensors), got GGUF {path}")
     return path, fmt

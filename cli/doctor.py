@@ -21,7 +21,8 @@ STYLE = {"ok": ("✓ ok", "green"), "warn": ("! warn", "yellow"), "fail": ("✗ 
 
 
 def doctor(
-    model: str | None = typer.Argument(None, metavar="[MODEL]", help="HF folder, .gguf, config.json or a known "
+    model: str | None = typer.Argument(None, metavar="[MODEL]", help="HF folder, .gguf, config.json, hub id "
+                                       "(org/name: its config from the cache or the hub, no weights) or a known "
                                        "shape name (llama-3.1-8b, llama-2-70b, mixtral-8x7b, ...) to plan memory for"),
     profile: str | None = typer.Option(None, help="NAME|auto: the GPU to plan for (default: the detected one)"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs to shard over"),
@@ -31,6 +32,8 @@ def doctor(
                                                         "profile's)"),
     max_num_seqs: int | None = typer.Option(None, help="Most sequences in one step (default: the profile's)"),
     kv_cache_dtype: str = typer.Option("auto", help="auto or fp8: plan the KV cache in the model's dtype or fp8"),
+    revision: str | None = typer.Option(None, help="Hub branch, tag or commit of a hub MODEL (default: main)"),
+    download_dir: str | None = typer.Option(None, help="Hugging Face cache folder for a hub MODEL"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report"),
 ) -> None:
     """Check the GPU, driver, torch/Triton/NCCL and /dev/shm, and whether MODEL fits (with remedies)."""
@@ -48,7 +51,7 @@ def doctor(
         report = run_doctor(env, model=model, profile=profile, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, quantization=quantization,
                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, revision=revision, download_dir=download_dir)
     if json_out:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:

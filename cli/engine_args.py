@@ -42,7 +42,8 @@ class EngineFlag:
         value = _DEFAULTS[self.name].default
         if value is None:
             return f"{self.help} (default: {self.default})" if self.default else self.help
-        return f"{self.help} (default: {({True: 'on', False: 'off'}.get(value, value))})"
+        shown = ("on" if value else "off") if isinstance(value, bool) else value  # not 1 -> on: 1 == True
+        return f"{self.help} (default: {shown})"
 
     def parameter(self) -> inspect.Parameter:
         # Default None everywhere, so EngineConfig.resolve can tell "given" from "default".
@@ -53,8 +54,15 @@ class EngineFlag:
 
 
 ENGINE_FLAGS = (
-    EngineFlag("model", str, "HF model folder or .gguf file", "the embedded SmolLM2-135M-Instruct"),
-    EngineFlag("tokenizer", str, "Tokenizer folder", "the model's"),
+    EngineFlag("model", str, "HF model folder, .gguf file, or hub id org/name (org/name:Q4_K_M: one GGUF file)",
+               "the embedded SmolLM2-135M-Instruct"),
+    EngineFlag("tokenizer", str, "Tokenizer folder or hub id", "the model's"),
+    EngineFlag("revision", str, "Hub branch, tag or commit of the model", "main"),
+    EngineFlag("tokenizer_revision", str, "Hub branch, tag or commit of --tokenizer", "main"),
+    EngineFlag("download_dir", str, "Hugging Face cache folder to find and download hub models in",
+               "HF_HUB_CACHE, else $HF_HOME/hub"),
+    EngineFlag("hf_token", str, "Hub token for gated or private models", "$HF_TOKEN"),
+    EngineFlag("gguf_file", str, "The GGUF file of a hub repo to serve (or give the model as org/name:QUANT)"),
     EngineFlag("dtype", str, f"{' | '.join(DTYPES)}; auto keeps bf16 checkpoints bf16, else fp16 on GPU, "
                              "fp32 on CPU"),
     EngineFlag("max_model_len", int, "Longest sequence, prompt + output", "the model's context length"),

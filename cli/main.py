@@ -7,6 +7,7 @@ import typer
 import vserve
 from vserve.cli import bench, profiles
 from vserve.cli.doctor import doctor
+from vserve.cli.download import download
 from vserve.cli.generate import generate
 from vserve.cli.quantize import quantize
 from vserve.cli.serve import serve
@@ -20,6 +21,7 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(profiles.app, name="profiles")
 app.command("doctor")(doctor)
 app.command("quantize")(quantize)
+app.command("download")(download)
 
 
 def _print_version(value: bool) -> None:

@@ -31,7 +31,8 @@ def _alphas(alphas: list[float | None]) -> str:
 
 def quantize(
     model: str | None = typer.Argument(None, metavar="[MODEL]", show_default=False,
-                                       help="HF model folder or .gguf file (default: the embedded SmolLM2-135M)."),
+                                       help="HF model folder, .gguf file or hub id org/name (default: the embedded "
+                                            "SmolLM2-135M)."),
     method: str = typer.Option(..., "--method", "-m", help=f"{' | '.join(METHODS)}", show_default=False),
     output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Folder to write (must be new or empty).",
                                     show_default=False),

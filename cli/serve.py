@@ -16,13 +16,16 @@ console = Console(stderr=True, highlight=False)
 
 @engine_command
 def serve(
-    model_arg: str | None = typer.Argument(None, metavar="[MODEL]", help="HF folder or .gguf; none: the embedded "
-                                           "default (an embedding model folder serves /v1/embeddings)"),
+    model_arg: str | None = typer.Argument(None, metavar="[MODEL]", help="HF folder, .gguf or hub id (org/name, "
+                                           "org/name:QUANT); none: $VSERVE_MODEL, else the embedded default (an "
+                                           "embedding model serves /v1/embeddings)"),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 unless told)"),
     port: int = typer.Option(8000, help="Port to listen on"),
     api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 and /tokenize "
                                        "routes (default: $VSERVE_API_KEY)"),
-    served_model_name: str | None = typer.Option(None, help="Model name clients use (default: folder name)"),
+    served_model_name: list[str] | None = typer.Option(None, help="Model name clients use; repeat it for more names "
+                                                       "(the first is reported; default: the hub id as typed, or "
+                                                       "the folder's name)"),
     chat_template: str | None = typer.Option(None, help="Jinja chat template file overriding the model's"),
     max_queue_len: int | None = typer.Option(None, help="Most waiting requests before 429"),
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
@@ -36,6 +39,8 @@ def serve(
     """Serve a model over an OpenAI-compatible API (completions, chat, embeddings, metrics)."""
     from vserve.core.config import EngineConfig
 
+    if model_arg is None and engine_args.get("model") is None:
+        model_arg = os.environ.get("VSERVE_MODEL") or None  # a container's baked-in model (Dockerfile)
     if model_arg is not None:
         if engine_args.get("model") is not None and engine_args["model"] != model_arg:
             raise ValueError("give the model once: as MODEL or as --model")
@@ -51,7 +56,7 @@ def serve(
 
     config = EngineConfig.resolve(engine_args)
     print_config(config)
-    opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=served_model_name,
+    opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
                         engine_process=engine_process, access_log=not disable_uvicorn_access_log)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")

@@ -17,8 +17,13 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 / 
 class EngineConfig:
     """Every engine flag, named as vLLM names it (`--max-num-seqs` -> max_num_seqs)."""
 
-    model: str | None = None  # None: the embedded default model
+    model: str | None = None  # None: the embedded default model; a local path, or a hub id (org/name[:QUANT])
     tokenizer: str | None = None
+    revision: str | None = None  # hub branch, tag or commit of the model (None: main)
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # None: the Hugging Face cache (HF_HOME / HF_HUB_CACHE)
+    hf_token: str | None = field(default=None, repr=False)  # None: HF_TOKEN or the token saved by `hf auth login`
+    gguf_file: str | None = None  # the one GGUF file of a hub repo to serve
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     block_size: int = 16
@@ -154,5 +159,9 @@ class EngineConfig:
 
     def describe(self) -> list[tuple[str, object, str]]:
         """(flag, value, source) rows for printing the resolved config."""
-        return [("--" + f.name.replace("_", "-"), getattr(self, f.name), self.sources.get(f.name, "default"))
+        def shown(name: str) -> object:
+            value = getattr(self, name)
+            return "***" if name == "hf_token" and value else value
+
+        return [("--" + f.name.replace("_", "-"), shown(f.name), self.sources.get(f.name, "default"))
                 for f in fields(self) if f.name != "sources"]

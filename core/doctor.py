@@ -385,6 +385,42 @@ def remedies(m: ModelConfig, plan: MemoryPlan, settings: dict, profile: GpuProfi
     return out
 
 
+def is_hub_model(model: str | None) -> bool:
+    from vserve.core.hub import HubModel, is_local
+    from vserve.core.model_shapes import KNOWN_SHAPES
+
+    return bool(model) and model not in KNOWN_SHAPES and not is_local(model) and HubModel.parse(model) is not None
+
+
+def hub_config(model: str, revision: str | None, download_dir: str | None) -> str:
+    """A hub id's config.json (cached, or that one file fetched) as a local path, for planning."""
+    from vserve.core.hub import config_file
+
+    return str(config_file(model, revision=revision, download_dir=download_dir))
+
+
+def check_download(model: str, revision: str | None, download_dir: str | None) -> Check:
+    """A hub model: in the cache already, or how much `vserve serve` would download and whether the disk holds it."""
+    from vserve.core import hub
+
+    name = "download"
+    try:
+        if hub._offline():
+            path = hub.resolve(model, revision=revision, download_dir=download_dir)
+            return Check(name, "ok", f"in the Hugging Face cache: {path} (HF_HUB_OFFLINE=1)")
+        plan = hub.download_plan(model, revision=revision, download_dir=download_dir)
+    except ValueError as e:
+        return Check(name, "fail", str(e))
+    total = sum(plan.files.values())
+    if plan.missing_bytes == 0:
+        return Check(name, "ok", f"all {len(plan.files)} files ({fmt_bytes(total)}) in the cache {plan.cache}")
+    finding = (f"{fmt_bytes(plan.missing_bytes)} of {len(plan.files)} files ({fmt_bytes(total)}) to download into "
+               f"{plan.cache}, {fmt_bytes(plan.free_bytes)} free")
+    if plan.missing_bytes > plan.free_bytes:
+        return Check(name, "fail", finding, "free disk space or pass --download-dir on a larger disk")
+    return Check(name, "ok", finding)
+
+
 def load_model(model: str) -> ModelConfig:
     """A model folder, .gguf file, config.json or known shape name -> its ModelConfig (for planning)."""
     if model.endswith(".gguf"):
@@ -398,7 +434,7 @@ def load_model(model: str) -> ModelConfig:
 
 
 def check_plan(env: Environment, model: str | None, profile: str | None, tp: int, max_model_len: int | None,
-               overrides: dict) -> tuple[Check, Report]:
+               overrides: dict, revision: str | None = None, download_dir: str | None = None) -> tuple[Check, Report]:
     report = Report([], model=model)
     if model is None:
         return Check("memory plan", "skip", "no MODEL given"), report
@@ -414,10 +450,11 @@ def check_plan(env: Environment, model: str | None, profile: str | None, tp: int
         prof, warning = resolve_profile(profile)
         gpu_memory = prof.memory_bytes
     report.profile = prof.name
-    m = load_model(model)
+    source = hub_config(model, revision, download_dir) if is_hub_model(model) else model
+    m = load_model(source)
     from vserve.profiles.settings import settings_for
 
-    ps = settings_for(prof, model)
+    ps = settings_for(prof, source)
     if ps.size_class:
         rec = prof.models[ps.size_class]
         report.recommendation = {"size_class": ps.size_class, "tensor_parallel_size": rec.tensor_parallel_size,
@@ -443,16 +480,19 @@ def check_plan(env: Environment, model: str | None, profile: str | None, tp: int
 def run_doctor(env: Environment, model: str | None = None, profile: str | None = None, tensor_parallel_size: int = 1,
                max_model_len: int | None = None, quantization: str | None = None,
                gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None,
-               kv_cache_dtype: str = "auto") -> Report:
+               kv_cache_dtype: str = "auto", revision: str | None = None,
+               download_dir: str | None = None) -> Report:
     tp = tensor_parallel_size
     planning_for = profile if profile not in (None, "auto") else None
     plan_check, report = check_plan(env, model, profile, tp, max_model_len, {
         "quantization": quantization, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-        "kv_dtype_bytes": 1 if kv_cache_dtype.startswith("fp8") else None})
+        "kv_dtype_bytes": 1 if kv_cache_dtype.startswith("fp8") else None}, revision, download_dir)
     utilization = gpu_memory_utilization or (report.plan.gpu_memory_utilization if report.plan else 0.9)
     report.checks = [check_gpu(env, planning_for), check_torch(env), check_cuda_driver(env), check_versions(env),
                      check_nccl(env, tp), check_nccl_env(env, tp), check_topology(env, tp), check_triton(env),
                      check_shm(env, tp), check_gpu_memory(env, utilization), plan_check]
+    if is_hub_model(model):
+        report.checks.append(check_download(model, revision, download_dir))
     return report
 
 

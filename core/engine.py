@@ -79,7 +79,9 @@ def load_model(config: EngineConfig, device: torch.device):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        from vserve.core.hub import resolve_model_files
+
+        self.config = config = resolve_model_files(config)  # hub ids -> cached snapshot paths
         path, fmt, self.model_config = model_source(config)
         mc = self.model_config
         self.device = _pick_device(config.device)

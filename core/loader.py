@@ -24,7 +24,7 @@ def resolve_model(model: str, load_format: str) -> tuple[Path, str]:
     """(path, format) for a model argument: an HF folder, a .gguf file, or a folder holding one."""
     p = Path(model).expanduser()
     if not p.exists():
-        raise ValueError(f"model path {model!r} does not exist (vserve loads local folders and files only)")
+        raise ValueError(f"model path {model!r} does not exist")
     if p.is_file():
         if p.suffix != ".gguf":
             raise ValueError(f"{model!r} is a file but not a .gguf; pass an HF model folder or a GGUF file")

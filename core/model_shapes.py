@@ -64,10 +64,15 @@ def known_shape(name: str) -> ModelConfig:
 
 
 def read_model_config(model: str | Path) -> ModelConfig:
-    """A model folder, a config.json file, or a KNOWN_SHAPES name (GGUF files: see core/doctor.py)."""
+    """A model folder, a config.json file, a KNOWN_SHAPES name or a hub id (GGUF files: see core/doctor.py)."""
     if isinstance(model, str) and model in KNOWN_SHAPES:
         return known_shape(model)
     p = Path(model)
+    if isinstance(model, str) and not p.exists():
+        from vserve.core.hub import HubModel, config_file
+
+        if HubModel.parse(model) is not None:  # a hub id: its config.json from the cache, or that file alone
+            p = config_file(model)
     file = p / "config.json" if p.is_dir() else p
     if not file.exists():
         raise ValueError(f"model {str(model)!r} is not a folder with config.json, a config.json file or a known "

@@ -171,7 +171,9 @@ def run_node(config: EngineConfig) -> int:
     """A node other than 0: start its ranks, wait for them (they end when rank 0 shuts down); the worst exit
     code."""
     from vserve.core.engine import _pick_device
+    from vserve.core.hub import resolve_model_files
 
+    config = resolve_model_files(config)  # each node finds (or downloads) the model in its own cache
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     per_node = world // config.nnodes
     first = config.node_rank * per_node

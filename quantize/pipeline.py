@@ -278,16 +278,19 @@ def _fold(layer: nn.Module, group: Group, s: torch.Tensor, out: dict[str, Packed
 
 @contextmanager
 def source_folder(model: str | None) -> Iterator[Path]:
-    """The HF folder to quantize: MODEL, the embedded default when None, or a GGUF converted to a temporary one."""
+    """The HF folder to quantize: MODEL (a local path or hub id), the embedded default when None, or a GGUF
+    converted to a temporary one."""
     import tempfile
 
     from vserve.core.assets import convert_gguf_to_hf, default_model_path
+    from vserve.core.config import EngineConfig
+    from vserve.core.hub import resolve_model_files
     from vserve.core.loader import resolve_model
 
     if model is None:
         yield default_model_path()
         return
-    path, fmt = resolve_model(model, "auto")
+    path, fmt = resolve_model(resolve_model_files(EngineConfig(model=model)).model, "auto")  # a hub id: its snapshot
     if fmt != "gguf":
         yield path
         return

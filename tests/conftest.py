@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 
 import vserve  # noqa: E402, F401  (first: it takes the checkout's root off sys.path before transformers is imported)
 
+sys.path.append(str(Path(__file__).parent))  # test helper modules (hf_cache, hub_server) import by name
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 

@@ -65,8 +65,7 @@ def test_nonexistent_model_exits_2_with_one_error_line(tmp_path):
     missing = tmp_path / "no-such-model"
     res = invoke("generate", "hi", "--model", str(missing))
     assert res.exit_code == 2
-    assert res.stderr.splitlines() == [f"error: model path {str(missing)!r} does not exist "
-                                       "(vserve loads local folders and files only)"]
+    assert res.stderr.splitlines() == [f"error: model path {str(missing)!r} does not exist"]
 
 
 def test_no_prompt_exits_2_with_one_error_line():

@@ -48,7 +48,8 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # reported in responses
+    served_model_aliases: tuple[str, ...] = ()  # further names clients may use (--served-model-name a b)
     api_key: str | None = None
     chat_template: str | None = None
     max_body_bytes: int = 8 << 20
@@ -145,7 +146,7 @@ def build_app(engine: EngineClient | None, settings: ServerSettings, metrics: En
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)")
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != settings.served_model_name:
+        if name is not None and name != settings.served_model_name and name not in settings.served_model_aliases:
             raise APIError(404, f"the model `{name}` does not exist; this server serves "
                                 f"`{settings.served_model_name}`", "model")
 
@@ -175,8 +176,9 @@ def build_app(engine: EngineClient | None, settings: ServerSettings, metrics: En
     @app.get("/v1/models", dependencies=guarded)
     async def models():
         max_len = engine.engine.max_model_len if engine is not None else embedder.max_model_len
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "vserve", "max_model_len": max_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now(), "owned_by": "vserve",
+                                            "max_model_len": max_len}
+                                           for name in (settings.served_model_name, *settings.served_model_aliases)]}
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, raw: Request):

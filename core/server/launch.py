@@ -19,7 +19,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()  # the first is reported; none: the model as typed (a folder's name)
     chat_template: str | None = None  # a file path
     max_queue_len: int | None = None
     drain_timeout_s: float = 30.0
@@ -38,24 +38,37 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
         if not p.is_file():
             raise ValueError(f"--chat-template {opts.chat_template!r} is not a readable file")
         template = p.read_text()
+    from vserve.core.hub import resolve_model_files
+
+    names = served_model_names(config.model, opts.served_model_name)
+    config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
     if config.model and _is_embedding(config.model):
         from vserve.core.embedding import EmbeddingEngine
 
         embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
-        name = opts.served_model_name or Path(config.model).name
     else:
-        from vserve.core.assets import DEFAULT_MODEL_NAME
-
-        name = opts.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
         engine = _build_engine(config, opts)
-    settings = ServerSettings(served_model_name=name, api_key=opts.api_key, chat_template=template,
-                              log_interval_s=opts.log_interval_s)
+    settings = ServerSettings(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
+                              api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s)
     app = build_app(engine, settings, embedder=embedder)
     if engine is not None:
         metrics = app.state.metrics
         engine.on_step, engine.on_finish = metrics.on_step, metrics.on_finish
     return app, engine
+
+
+def served_model_names(model: str | None, given: tuple[str, ...]) -> tuple[str, ...]:
+    """--served-model-name's names, else the hub id as typed, a local model's folder or file name, or the default
+    model's name."""
+    from vserve.core.assets import DEFAULT_MODEL_NAME
+    from vserve.core.hub import is_local
+
+    if given:
+        return given
+    if model is None:
+        return (DEFAULT_MODEL_NAME,)
+    return (Path(model).name if is_local(model) else model,)
 
 
 def _build_engine(config: EngineConfig, opts: ServeOptions):
