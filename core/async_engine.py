@@ -181,12 +181,12 @@ class EngineClient:
             s.put(self._dead())
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished (only the final one unless `stream`); cancelling the
         iterator aborts the request."""
         if self.error is not None:
             raise self._dead()
-        children = self.engine.make_requests(request_id, prompt, params)  # ValueError for bad input
+        children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError for bad input
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
             if self.max_queue_len is not None and self._num_waiting() >= self.max_queue_len:

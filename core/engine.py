@@ -166,13 +166,15 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.processor.tokenize(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         """Validate, then enqueue params.n child requests; nothing is enqueued if anything is invalid."""
-        self.submit(self.make_requests(request_id, prompt, params))
+        self.submit(self.make_requests(request_id, prompt, params, cache_salt))
 
-    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> list[Request]:
         """Tokenize and validate (ValueError for bad input) without touching engine state."""
-        return self.processor.make_requests(request_id, prompt, params)
+        return self.processor.make_requests(request_id, prompt, params, cache_salt)
 
     def submit(self, children: list[Request]) -> None:
         """Enqueue the children of one request (made by make_requests)."""

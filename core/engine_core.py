@@ -42,13 +42,13 @@ class CoreStats:
 
 def _encode(req: Request) -> tuple:
     return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
-            req.eos_token_id, req.arrival_time)
+            req.eos_token_id, req.arrival_time, req.cache_salt)
 
 
 def _decode(t: tuple) -> Request:
-    rid, ids, sp, max_tokens, parent_id, index, eos, arrival = t
+    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt = t
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival)
+                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt)
 
 
 # ---- the engine process -----------------------------------------------------------------------------------------

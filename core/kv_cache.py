@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vserve.core.request import Request
+
+BlockHash = bytes  # a SHA-256 digest
 
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
@@ -57,9 +62,19 @@ class FreeBlockQueue:
             b = b.next_free
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int], extra_keys: tuple = ()) -> int:
-    """Chained block hash: equal hashes mean equal token prefixes (up to a 64-bit collision)."""
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+_ROOT_HASH = hashlib.sha256(b"vserve prefix cache v1").digest()  # the parent of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """Chained block hash: SHA-256 over the parent's hash, the block's token ids (length-prefixed little-endian
+    uint32) and its extra keys (a cache salt, later an adapter id). Equal hashes mean equal prefixes and keys; unlike
+    Python's hash() of a tuple (vLLM's CVE-2025-25183) a client cannot craft a collision with another tenant's
+    prefix, and the value is the same in every process and on every machine."""
+    h = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
+    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    if extra_keys:
+        h.update(json.dumps(extra_keys, separators=(",", ":")).encode())
+    return h.digest()
 
 
 class BlockPool:
@@ -81,7 +96,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -114,7 +129,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
@@ -148,7 +163,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
+            # The salt keys the first block; the chain carries it to every later one.
+            extra = (req.cache_salt,) if i == 0 and req.cache_salt is not None else ()
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed."""

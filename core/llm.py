@@ -14,7 +14,9 @@ from vserve.core.progress import make_progress
 from vserve.core.request import RequestOutput
 from vserve.core.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}, each with an optional
+# "cache_salt" (the request shares cached prefix blocks only with requests of the same salt).
+Prompt = str | list[int] | dict
 Message = dict[str, str]
 
 
@@ -31,8 +33,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a str, a list of str, a list of token ids, or a list of token-id lists."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Prompts: a str, a list of token ids, a prompt dict, or a list of them."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -43,7 +45,10 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         # Validate and tokenize every prompt before enqueueing any, so a bad one leaves nothing half-done.
-        batch = [engine.make_requests(str(next(self._ids)), p, sp) for p, sp in zip(prompts, sampling_params)]
+        batch = []
+        for p, sp in zip(prompts, sampling_params):
+            prompt, salt = _unpack(p)
+            batch.append(engine.make_requests(str(next(self._ids)), prompt, sp, salt))
         order = []
         try:
             for children in batch:
@@ -89,3 +94,14 @@ class LLM:
                 tps = (engine.num_generated_tokens - n0) / max(time.perf_counter() - start, 1e-9)
                 progress.update(task, tps=f"{tps:,.0f}")
         return [done[rid] for rid in order]
+
+
+def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache salt) of one prompt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f'a prompt dict holds "prompt" or "prompt_token_ids" (and optionally "cache_salt"), got '
+                         f"keys {sorted(prompt)}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")

@@ -86,8 +86,12 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
-    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
-        """Tokenize and validate (ValueError for bad input) without touching engine state."""
+    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> list[Request]:
+        """Tokenize and validate (ValueError for bad input) without touching engine state. cache_salt: this
+        request reuses cached prefix blocks only of requests with the same salt (vLLM's request field)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -110,5 +114,6 @@ class InputProcessor:
                         sampling_params=replace(params, seed=None if params.seed is None else params.seed + i, n=1,
                                                 all_stop_token_ids=stops),
                         max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
-                        parent_id=request_id, index=i, eos_token_id=None if params.ignore_eos else self.eos_token_id)
+                        parent_id=request_id, index=i, eos_token_id=None if params.ignore_eos else self.eos_token_id,
+                        cache_salt=cache_salt)
                 for i in range(params.n)]

@@ -46,7 +46,8 @@ class Request:
     num_sent_tokens: int = 0  # output tokens already handed out as deltas (the engine process's outputs)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache, set at first schedule
     status: RequestStatus = RequestStatus.WAITING
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str | None = None  # requests share cached prefix blocks only with requests of the same salt
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import struct
+import subprocess
+import sys
 from collections import Counter
 
 from hypothesis import settings
@@ -16,9 +21,9 @@ from vserve.core.sampling_params import SamplingParams
 BS = 4  # block size of every test here: small, so a few tokens cross block boundaries
 
 
-def make_request(request_id: str, prompt: list[int]) -> Request:
+def make_request(request_id: str, prompt: list[int], cache_salt: str | None = None) -> Request:
     return Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(),
-                   max_tokens=64)
+                   max_tokens=64, cache_salt=cache_salt)
 
 
 def prefill(kv: KVCacheManager, req: Request) -> list[KVCacheBlock]:
@@ -29,9 +34,9 @@ def prefill(kv: KVCacheManager, req: Request) -> list[KVCacheBlock]:
     return hits
 
 
-def chain_hashes(token_ids: list[int]) -> list[int]:
+def chain_hashes(token_ids: list[int]) -> list[bytes]:
     """Reference hash chain of the full blocks of token_ids."""
-    out: list[int] = []
+    out: list[bytes] = []
     for i in range(len(token_ids) // BS):
         out.append(hash_block_tokens(out[-1] if out else None, token_ids[i * BS:(i + 1) * BS]))
     return out
@@ -357,3 +362,40 @@ def test_block_pool_counts_usage_from_free_blocks():
 
     assert pool.num_free_blocks() == 1
     assert pool.usage() == 0.75
+
+
+# ---- block hashes: SHA-256, stable across processes, salted per tenant ---------------------------------------
+
+
+def test_block_hash_is_sha256_of_parent_tokens_and_extra_keys():
+    tokens = [5, 70000, 2**31 + 7, 0]
+    root = hashlib.sha256(b"vserve prefix cache v1").digest()
+    first = hash_block_tokens(None, tokens)
+    assert first == hashlib.sha256(root + struct.pack("<5I", 4, *tokens)).digest()
+    salted = hash_block_tokens(None, tokens, ("tenant-a",))
+    assert salted == hashlib.sha256(root + struct.pack("<5I", 4, *tokens) + b'["tenant-a"]').digest()
+    assert hash_block_tokens(first, tokens) == hashlib.sha256(first + struct.pack("<5I", 4, *tokens)).digest()
+    assert len({first, salted, hash_block_tokens(None, tokens, ("tenant-b",)), hash_block_tokens(first, tokens),
+                hash_block_tokens(None, tokens[:3])}) == 5
+
+
+def test_block_hash_is_the_same_in_another_process_whatever_its_hash_seed():
+    code = ("from vserve.core.kv_cache import hash_block_tokens as h; "
+            "print(h(h(None, [1, 2, 3]), [4, 5, 6], ('salt',)).hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert outs == {hash_block_tokens(hash_block_tokens(None, [1, 2, 3]), [4, 5, 6], ("salt",)).hex()}
+
+
+def test_requests_with_different_cache_salts_never_share_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    prompt = list(range(3 * BS + 1))
+    a = make_request("a", prompt, cache_salt="tenant-a")
+    prefill(kv, a)
+    for rid, salt in (("b", "tenant-b"), ("none", None)):
+        other = make_request(rid, prompt, cache_salt=salt)
+        assert prefill(kv, other) == []
+        assert not set(kv.get_block_ids(rid)) & set(kv.get_block_ids("a"))
+        assert not set(other.block_hashes) & set(a.block_hashes)
+    same = make_request("a2", prompt, cache_salt="tenant-a")
+    assert [b.block_id for b in prefill(kv, same)] == kv.get_block_ids("a")[:3]

@@ -65,3 +65,25 @@ def test_fully_cached_prompt_recomputes_its_last_block(tiny_model):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_cache_salt_keeps_tenants_apart_and_outputs_unchanged(tiny_model):
+    """vLLM's prompt dicts with a cache_salt: the same prompt under another salt (or none) computes again."""
+    import pytest
+
+    llm = LLM(str(tiny_model("llama")), dtype="float32", device="cpu", block_size=BLOCK)
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 49152) for _ in range(3 * BLOCK + 4)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, sp)[0]
+    other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, sp)[0]
+    unsalted = llm.generate(prompt, sp)[0]
+    same = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], sp)[0]
+    assert [o.num_cached_tokens for o in (first, other, unsalted, same)] == [0, 0, 0, 3 * BLOCK]
+    assert len({tuple(o.outputs[0].token_ids) for o in (first, other, unsalted, same)}) == 1
+    text = llm.generate({"prompt": "The capital of France is", "cache_salt": "t"}, sp)[0]
+    assert text.prompt == "The capital of France is"
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "x", "cache_salt": ""}, sp)
+    with pytest.raises(ValueError, match='a prompt dict holds "prompt" or "prompt_token_ids"'):
+        llm.generate({"prompt": "x", "salt": "a"}, sp)

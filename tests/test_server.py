@@ -98,6 +98,27 @@ def test_completion_plain_list_echo_and_usage(client, server):
     assert resp.usage.completion_tokens == 10 or any(c.finish_reason == "stop" for c in resp.choices)
 
 
+def test_cache_salt_keeps_cached_prefixes_per_tenant(client, server):
+    """vLLM's cache_salt request field, through the engine process: the same prompt hits the prefix cache under
+    the same salt only; usage.prompt_tokens_details.cached_tokens says how many prompt tokens it reused."""
+    prompt = list(range(100, 100 + 3 * 16 + 5))  # 3 full blocks and a tail
+
+    def cached(salt=None, route="completions"):
+        extra = {} if salt is None else {"cache_salt": salt}
+        if route == "chat":
+            resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi " * 40}],
+                                                  max_tokens=2, extra_body=extra)
+        else:
+            resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert [cached("tenant-a"), cached("tenant-b"), cached(None), cached("tenant-b")] == [48, 0, 0, 48]
+    assert cached("chat-a", "chat") == 0 and cached("chat-a", "chat") > 0 and cached("chat-b", "chat") == 0
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def test_completion_token_ids_prompt_and_logprobs(client):
     resp = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], temperature=0, max_tokens=4, logprobs=2)
     lp = resp.choices[0].logprobs

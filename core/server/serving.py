@@ -111,7 +111,7 @@ async def create_completion(engine: EngineClient, body: CompletionRequest, raw: 
     created, model = now(), settings.served_model_name
     gens = []
     for i, p in enumerate(prompts):
-        gens.append(engine.generate(f"{base_id}-{i}", p, sp, stream=body.stream))
+        gens.append(engine.generate(f"{base_id}-{i}", p, sp, stream=body.stream, cache_salt=body.cache_salt))
     tokenizer = engine.engine.tokenizer
 
     if body.stream:
@@ -127,9 +127,10 @@ async def create_completion(engine: EngineClient, body: CompletionRequest, raw: 
         raise
     if any(o is None for o in outs):
         return JSONResponse({}, status_code=499)
-    choices, n_prompt, n_completion = [], 0, 0
+    choices, n_prompt, n_completion, n_cached = [], 0, 0, 0
     for pi, out in enumerate(outs):
         n_prompt += len(out.prompt_token_ids)
+        n_cached += out.num_cached_tokens
         comps = out.outputs
         n_completion += sum(len(c.token_ids) for c in comps)
         if best_of > body.n:
@@ -145,7 +146,7 @@ async def create_completion(engine: EngineClient, body: CompletionRequest, raw: 
             choices.append({"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
                             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
     return {"id": base_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(n_prompt, n_completion)}
+            "choices": choices, "usage": usage(n_prompt, n_completion, n_cached)}
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -191,7 +192,7 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
 async def _stream_completion(engine, body: CompletionRequest, gens, base_id, created, model, tokenizer):
     sent_text: dict[tuple[int, int], int] = {}
     sent_tok: dict[tuple[int, int], int] = {}
-    n_prompt = n_completion = 0
+    n_prompt = n_completion = n_cached = 0
     try:
         async for pi, out in _merge(gens):
             for comp in out.outputs:
@@ -217,9 +218,10 @@ async def _stream_completion(engine, body: CompletionRequest, gens, base_id, cre
             if out.finished:
                 n_prompt += len(out.prompt_token_ids)
                 n_completion += sum(len(c.token_ids) for c in out.outputs)
+                n_cached += out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": usage(n_prompt, n_completion)})
+                        "choices": [], "usage": usage(n_prompt, n_completion, n_cached)})
     except (ValueError, RuntimeError) as e:
         yield _stream_error(e)
     yield "data: [DONE]\n\n"
@@ -255,7 +257,7 @@ async def create_chat_completion(engine: EngineClient, body: ChatCompletionReque
     sp = body.sampling_params(max_tokens, n_top if body.logprobs else None)
     rid = random_id("chatcmpl")
     created, model = now(), settings.served_model_name
-    gen = engine.generate(rid, prompt_ids, sp, stream=body.stream)
+    gen = engine.generate(rid, prompt_ids, sp, stream=body.stream, cache_salt=body.cache_salt)
     tokenizer = eng.tokenizer
     if body.stream:
         return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top),
@@ -270,7 +272,7 @@ async def create_chat_completion(engine: EngineClient, body: ChatCompletionReque
                         "logprobs": lp, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
     n_completion = sum(len(c.token_ids) for c in out.outputs)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), n_completion)}
+            "usage": usage(len(out.prompt_token_ids), n_completion, out.num_cached_tokens)}
 
 
 async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, tokenizer, n_top):
@@ -299,7 +301,8 @@ async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, to
                 yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                               "finish_reason": comp.finish_reason}])
         if body.stream_options and body.stream_options.include_usage and last is not None:
-            yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)))
+            yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+                                        last.num_cached_tokens))
     except (ValueError, RuntimeError) as e:
         yield _stream_error(e)
     finally:
