@@ -11,7 +11,7 @@ ZH=benchmarks/data/daodejing_1-10.txt
 mkdir -p "$OUT"
 export VSERVE_NO_PROGRESS=1
 Q="-m vserve.cli.main quantize --num-samples $SAMPLES --seq-len 512 --overwrite"
-BASE=$($PY -c "from vserve.core.assets import default_model_path; print(default_model_path())")
+BASE=$($PY -c "from vserve.ops.assets import default_model_path; print(default_model_path())")
 
 ppl() {  # ppl NAME FOLDER [extra bench flags]
   local name=$1 folder=$2; shift 2

@@ -17,8 +17,8 @@ from vserve import SamplingParams
 from vserve.cli import bench_experiment, bench_latency, bench_perplexity, bench_serve
 from vserve.cli.bench_datasets import DATASETS, Workload, make_workload, parse_len, random_workload  # noqa: F401
 from vserve.cli.engine_args import build_llm, engine_command
-from vserve.core.assets import DEFAULT_MODEL_NAME  # no torch
-from vserve.core.progress import make_progress  # rich only, no torch
+from vserve.ops.assets import DEFAULT_MODEL_NAME  # no torch
+from vserve.ops.progress import make_progress  # rich only, no torch
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.command("serve")(bench_serve.serve)
@@ -65,10 +65,10 @@ def run_vserve(llm, w: Workload) -> Result:
 
 def hf_model_folder(engine_args: dict[str, Any]) -> tuple[Path, str]:
     """The HF folder vserve loaded (the default model's converted folder when --model is not given)."""
-    from vserve.core.assets import default_model_path
     from vserve.core.config import EngineConfig
     from vserve.core.hub import resolve_model_files
     from vserve.core.loader import resolve_model
+    from vserve.ops.assets import default_model_path
 
     config = resolve_model_files(EngineConfig.resolve(engine_args))
     path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)

@@ -18,7 +18,7 @@ from vserve import SamplingParams
 from vserve.cli.bench_datasets import random_workload
 from vserve.cli.bench_metrics import percentile
 from vserve.cli.engine_args import build_llm, engine_command
-from vserve.core.progress import progress_bar  # rich only, no torch
+from vserve.ops.progress import progress_bar  # rich only, no torch
 
 app = typer.Typer(help="The design experiments.", no_args_is_help=True)
 console = Console(highlight=False)

@@ -14,7 +14,7 @@ from vserve import SamplingParams
 from vserve.cli.bench_datasets import random_workload
 from vserve.cli.bench_metrics import percentile
 from vserve.cli.engine_args import build_llm
-from vserve.core.progress import progress_bar  # rich only, no torch
+from vserve.ops.progress import progress_bar  # rich only, no torch
 
 console = Console(highlight=False)
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)

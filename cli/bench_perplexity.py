@@ -10,8 +10,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from vserve.core import assets  # no torch
-from vserve.core.progress import progress_bar  # rich only, no torch
+from vserve.ops import assets  # no torch
+from vserve.ops.progress import progress_bar  # rich only, no torch
 from vserve.quantize.checkpoint import quantization_config_of  # json only, no torch
 
 console = Console(highlight=False)

@@ -21,7 +21,7 @@ from rich.text import Text
 from vserve.cli.bench_datasets import DATASETS, Workload, make_workload, parse_len
 from vserve.cli.bench_metrics import METRICS, RequestFuncOutput, parse_goodput, summarize
 from vserve.cli.engine_args import exit_on_bad_input, fail
-from vserve.core.progress import make_progress  # rich only, no torch
+from vserve.ops.progress import make_progress  # rich only, no torch
 
 console = Console(highlight=False)
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -217,7 +217,7 @@ def load_tokenizer(path: str | None):
     import tokenizers
 
     if path is None:
-        from vserve.core.assets import default_model_path
+        from vserve.ops.assets import default_model_path
 
         folder = default_model_path()
     else:

@@ -37,8 +37,8 @@ def doctor(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report"),
 ) -> None:
     """Check the GPU, driver, torch/Triton/NCCL and /dev/shm, and whether MODEL fits (with remedies)."""
-    from vserve.core import probe
-    from vserve.core.doctor import run_doctor
+    from vserve.ops import probe
+    from vserve.ops.doctor import run_doctor
 
     with exit_on_bad_input():
         if tensor_parallel_size < 1:

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from vserve import SamplingParams  # a plain dataclass module: no torch
 from vserve.cli.engine_args import build_llm, engine_command
-from vserve.core.jsonl import jsonl_objects
+from vserve.ops.jsonl import jsonl_objects
 
 Message = dict[str, str]
 Item = str | list[Message]  # a prompt, or a conversation for --chat

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from vserve.core.loader import DTYPES, count_safetensors, iter_safetensors, load_weights, safetensors_files
 from vserve.core.models.bert import BertConfig, BertModel
-from vserve.core.progress import progress_bar
+from vserve.ops.progress import progress_bar
 
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
 POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",

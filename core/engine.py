@@ -13,15 +13,15 @@ import torch
 from vserve.core.config import EngineConfig
 from vserve.core.detokenizer import IncrementalDetokenizer
 from vserve.core.kv_cache import KVCacheManager
-from vserve.core.loader import DTYPES, build_model, resolve_model
+from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
 from vserve.core.memory import GiB, plan_memory
-from vserve.core.model_config import ModelConfig
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from vserve.core.sampler import SampledTokens
 from vserve.core.sampling_params import SamplingParams
 from vserve.core.scheduler import Scheduler
+from vserve.core.worker import start_tensor_parallel
 
 
 @dataclass
@@ -36,47 +36,6 @@ class EngineStats:
     num_blocks: int
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but torch sees no CUDA GPU")
-    return torch.device(name)
-
-
-def _pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    # vLLM's rule: bf16 checkpoints stay bf16, fp16/fp32 ones run in fp16.
-    return torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float16
-
-
-def needs_activation_profile(config: EngineConfig, device: torch.device) -> bool:
-    # Under PP a lone forward cannot run (its stages wait on each other): the planner estimates instead.
-    return (device.type == "cuda" and config.num_kv_blocks is None and not config.kv_cache_memory_gib
-            and config.pipeline_parallel_size == 1)
-
-
-def model_source(config: EngineConfig) -> tuple[Path, str, ModelConfig]:
-    from vserve.core.assets import default_model_path
-
-    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
-    if fmt == "gguf":
-        from vserve.core.gguf_file import gguf_config
-
-        return path, fmt, ModelConfig.from_dict(gguf_config(path))
-    return path, fmt, ModelConfig.from_pretrained(path)
-
-
-def load_model(config: EngineConfig, device: torch.device):
-    """(model config, path, format, dtype, model): this rank's shard of the weights."""
-    path, fmt, mc = model_source(config)
-    dtype = _pick_dtype(config.dtype, mc, device)
-    return mc, path, fmt, dtype, build_model(mc, path, fmt, dtype, device, config.seed, config.quantization)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from vserve.core.hub import resolve_model_files
@@ -84,14 +43,12 @@ class LLMEngine:
         self.config = config = resolve_model_files(config)  # hub ids -> cached snapshot paths
         path, fmt, self.model_config = model_source(config)
         mc = self.model_config
-        self.device = _pick_device(config.device)
+        self.device = pick_device(config.device)
         self.workers = None
         self.failure: RuntimeError | None = None  # a lost rank: every later step raises it
         if config.node_rank != 0:
             raise ValueError("--node-rank > 0 runs ranks only (vserve serve/generate do that); the engine is node 0")
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            from vserve.core.worker import start_tensor_parallel
-
             self.workers, self.device = start_tensor_parallel(config, mc, self.device)
             ref = weakref.ref(self)
             atexit.register(lambda: (e := ref()) is not None and e.shutdown())  # let the other ranks exit 0
@@ -103,7 +60,7 @@ class LLMEngine:
 
     def _init_rank0(self, config: EngineConfig, path: Path, fmt: str) -> None:
         mc = self.model_config
-        self.dtype = _pick_dtype(config.dtype, mc, self.device)
+        self.dtype = pick_dtype(config.dtype, mc, self.device)
         kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, self.device)  # before loading: GPUs without fp8
         self.processor = InputProcessor(config, path, fmt, mc)
         self.max_model_len = self.processor.max_model_len

@@ -119,10 +119,11 @@ def run_engine_core(config: EngineConfig, commands, outputs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     import torch
 
-    from vserve.core.engine import LLMEngine, _pick_device
+    from vserve.core.engine import LLMEngine
+    from vserve.core.loader import pick_device
 
     try:
-        if _pick_device(config.device).type == "cpu":
+        if pick_device(config.device).type == "cpu":
             # Leave the server's process a core: an OpenMP thread that waits for a busy core stalls every op
             # (on 2 busy cores, a decode step took 10x longer with 2 threads than with 1).
             torch.set_num_threads(max(1, torch.get_num_threads() - 1))

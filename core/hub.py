@@ -189,7 +189,7 @@ def _download(ref: HubModel, revision: str, cache: Path, token: str | None, gguf
 def _hf_tqdm():
     """huggingface_hub's progress bars: its own (None) where vserve shows bars, else a class that shows none
     (VSERVE_NO_PROGRESS=1: nothing on stderr but a failure's one error line)."""
-    from vserve.core import progress
+    from vserve.ops import progress
 
     if progress.enabled():
         return None

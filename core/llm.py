@@ -10,9 +10,9 @@ from rich.progress import TextColumn
 
 from vserve.core.config import EngineConfig
 from vserve.core.engine import LLMEngine
-from vserve.core.progress import make_progress
 from vserve.core.request import RequestOutput
 from vserve.core.sampling_params import SamplingParams
+from vserve.ops.progress import make_progress
 
 # A text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}, each with an optional
 # "cache_salt" (the request shares cached prefix blocks only with requests of the same salt).

@@ -1,4 +1,5 @@
-"""Find a model's files, build the model and load its weights (safetensors, GGUF or dummy)."""
+"""Find a model's files (`model_source`), pick its device and dtype, build it and load its weights (safetensors,
+GGUF or dummy)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vserve.core.config import EngineConfig
 from vserve.core.distributed import get_pp_size
 from vserve.core.layers.quantization import QuantConfig
 from vserve.core.model_config import ModelConfig
 from vserve.core.models import get_model_class
-from vserve.core.progress import progress_bar
+from vserve.ops.assets import default_model_path
+from vserve.ops.progress import progress_bar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,3 +228,43 @@ def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, devi
         total = count_safetensors(files)
         load_weights(model, progress_bar(iter_safetensors(files), total, "Loading weights"))
     return model.eval()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    # vLLM's rule: bf16 checkpoints stay bf16, fp16/fp32 ones run in fp16.
+    return torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float16
+
+
+def needs_activation_profile(config: EngineConfig, device: torch.device) -> bool:
+    # Under PP a lone forward cannot run (its stages wait on each other): the planner estimates instead.
+    return (device.type == "cuda" and config.num_kv_blocks is None and not config.kv_cache_memory_gib
+            and config.pipeline_parallel_size == 1)
+
+
+def model_source(config: EngineConfig) -> tuple[Path, str, ModelConfig]:
+    """(path, format, model config) of config.model (a local path; the embedded default model when unset)."""
+    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
+    if fmt == "gguf":
+        from vserve.core.gguf_file import gguf_config
+
+        return path, fmt, ModelConfig.from_dict(gguf_config(path))
+    return path, fmt, ModelConfig.from_pretrained(path)
+
+
+def load_model(config: EngineConfig, device: torch.device):
+    """(model config, path, format, dtype, model): this rank's shard of the weights."""
+    path, fmt, mc = model_source(config)
+    dtype = pick_dtype(config.dtype, mc, device)
+    return mc, path, fmt, dtype, build_model(mc, path, fmt, dtype, device, config.seed, config.quantization)

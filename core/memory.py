@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from vserve.core.model_config import ModelConfig
-from vserve.core.model_shapes import moe_shape
+from vserve.ops.model_shapes import moe_shape
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vserve.core.config import EngineConfig
+from vserve.core.loader import model_source
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
 from vserve.core.sampling_params import SamplingParams
@@ -53,8 +54,6 @@ class InputProcessor:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
-        from vserve.core.engine import model_source
-
         return cls(config, *model_source(config))
 
     def _stop_token_ids(self, folder: Path | None) -> set[int]:

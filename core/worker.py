@@ -16,6 +16,7 @@ import torch
 
 from vserve.core import distributed
 from vserve.core.config import EngineConfig
+from vserve.core.loader import load_model, needs_activation_profile, pick_device
 
 
 def backend_for(device: torch.device) -> str:
@@ -31,7 +32,6 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
 
 @torch.inference_mode()
 def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: str, init_method: str) -> None:
-    from vserve.core.engine import load_model, needs_activation_profile
     from vserve.core.model_runner import ModelRunner, profile_peak_activation
     from vserve.core.processor import max_model_len_for
 
@@ -158,8 +158,8 @@ def start_tensor_parallel(config: EngineConfig, mc, device: torch.device) -> tup
 
 def _preflight(tp: int) -> None:
     """vserve doctor's NCCL and /dev/shm checks before the ranks start (VSERVE_SKIP_PREFLIGHT=1 skips)."""
-    from vserve.core.doctor import preflight
-    from vserve.core.probe import probe_environment
+    from vserve.ops.doctor import preflight
+    from vserve.ops.probe import probe_environment
 
     failed = preflight(probe_environment(run_triton=False), tp)
     if failed:
@@ -170,14 +170,13 @@ def _preflight(tp: int) -> None:
 def run_node(config: EngineConfig) -> int:
     """A node other than 0: start its ranks, wait for them (they end when rank 0 shuts down); the worst exit
     code."""
-    from vserve.core.engine import _pick_device
     from vserve.core.hub import resolve_model_files
 
     config = resolve_model_files(config)  # each node finds (or downloads) the model in its own cache
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     per_node = world // config.nnodes
     first = config.node_rank * per_node
-    workers = Workers(config, _pick_device(config.device).type, range(first, first + per_node), first,
+    workers = Workers(config, pick_device(config.device).type, range(first, first + per_node), first,
                       _init_method(config))
     codes = [p.wait() for p in workers.procs.values()]
     return max(codes, key=abs)

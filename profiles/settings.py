@@ -30,7 +30,7 @@ class ProfileSettings:
 def model_size(model: str | None) -> tuple[int, bool]:
     """(parameters, is MoE) of a model folder, config.json, .gguf or shape name; None: the embedded default."""
     from vserve.core.memory import num_params
-    from vserve.core.model_shapes import known_shape, moe_shape, read_model_config
+    from vserve.ops.model_shapes import known_shape, moe_shape, read_model_config
 
     if model is None:
         return num_params(known_shape("smollm2-135m")), False

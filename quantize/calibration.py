@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vserve.core.assets import shakespeare_text
-from vserve.core.jsonl import jsonl_objects
+from vserve.ops.assets import shakespeare_text
+from vserve.ops.jsonl import jsonl_objects
 
 # Comedies only: no tragedy, so nothing of Hamlet (the evaluation text) is seen during calibration.
 CALIBRATION_PLAYS = (

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vserve.core.progress import progress_bar
+from vserve.ops.progress import progress_bar
 from vserve.quantize import checkpoint
 from vserve.quantize.awq import quantize_awq
 from vserve.quantize.formats import dequantize_awq, dequantize_gptq, pack_awq, pack_gptq
@@ -282,10 +282,10 @@ def source_folder(model: str | None) -> Iterator[Path]:
     converted to a temporary one."""
     import tempfile
 
-    from vserve.core.assets import convert_gguf_to_hf, default_model_path
     from vserve.core.config import EngineConfig
     from vserve.core.hub import resolve_model_files
     from vserve.core.loader import resolve_model
+    from vserve.ops.assets import convert_gguf_to_hf, default_model_path
 
     if model is None:
         yield default_model_path()

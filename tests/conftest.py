@@ -36,7 +36,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from vserve.core.assets import default_model_path
+    from vserve.ops.assets import default_model_path
 
     return default_model_path()
 

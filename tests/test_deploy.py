@@ -516,4 +516,4 @@ def test_environment_variables_are_read_where_documented():
     for name in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
         assert name in src, name
     assert "VSERVE_API_KEY" in (ROOT / "cli" / "serve.py").read_text()
-    assert "VSERVE_CACHE" in (ROOT / "core" / "assets.py").read_text()
+    assert "VSERVE_CACHE" in (ROOT / "ops" / "assets.py").read_text()

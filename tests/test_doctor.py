@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from vserve.cli.main import app
-from vserve.core import probe
-from vserve.core.doctor import Environment, run_doctor
 from vserve.core.memory import GiB, MiB
+from vserve.ops import probe
+from vserve.ops.doctor import Environment, run_doctor
 from vserve.profiles.detect import GpuInfo, GpuProcess
 
 runner = CliRunner()
@@ -181,7 +181,7 @@ def test_lower_max_model_len_is_offered_when_one_sequence_does_not_fit():
 
 
 def test_doctor_plans_a_config_json_and_a_model_folder(tmp_path):
-    from vserve.core.model_shapes import KNOWN_SHAPES
+    from vserve.ops.model_shapes import KNOWN_SHAPES
 
     (tmp_path / "config.json").write_text(json.dumps(KNOWN_SHAPES["qwen2.5-14b"]))
     for model in (str(tmp_path), str(tmp_path / "config.json")):
@@ -226,7 +226,7 @@ def test_the_real_probe_runs_here():
 
 
 def test_preflight_before_a_tp_launch_fails_on_small_shm_only_with_tp():
-    from vserve.core.doctor import preflight
+    from vserve.ops.doctor import preflight
 
     small = replace(HEALTHY, shm_bytes=64 * MiB)
     assert [c.name for c in preflight(small, 2)] == ["/dev/shm"]

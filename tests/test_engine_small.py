@@ -22,7 +22,7 @@ def tiny_llama(tmp_path_factory) -> Iterator[tuple[Path, torch.nn.Module]]:
     """A random LlamaForCausalLM saved as safetensors, with SmolLM2's tokenizer files beside it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vserve.core.assets import default_model_path
+    from vserve.ops.assets import default_model_path
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

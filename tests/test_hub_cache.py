@@ -164,7 +164,7 @@ def test_serve_by_hub_id_offline(hf_home, server_factory, tmp_path):
 def test_doctor_plans_a_hub_id_from_its_cached_config(offline):
     from test_doctor import HEALTHY
 
-    from vserve.core.doctor import run_doctor
+    from vserve.ops.doctor import run_doctor
 
     _, main, _ = offline
     by_id, local = run_doctor(HEALTHY, model=REPO), run_doctor(HEALTHY, model=str(main))

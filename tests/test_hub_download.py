@@ -315,7 +315,7 @@ def test_doctor_plans_a_hub_id_from_its_config_and_says_what_would_download(hub,
     """Only config.json is fetched; the download check sizes the rest from the hub's file metadata."""
     from test_doctor import HEALTHY
 
-    from vserve.core import probe
+    from vserve.ops import probe
 
     hub.add("org/tiny", {**folder_files(tiny), **NOT_SERVED})
     monkeypatch.setattr(probe, "probe_environment", lambda: HEALTHY)

@@ -14,7 +14,7 @@ from vserve.core.memory import (
     weights_bytes,
 )
 from vserve.core.model_config import ModelConfig
-from vserve.core.model_shapes import KNOWN_SHAPES, known_shape, planning_config, read_model_config
+from vserve.ops.model_shapes import KNOWN_SHAPES, known_shape, planning_config, read_model_config
 
 GB = 10**9
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from vserve.cli.main import app
 from vserve.core.config import EngineConfig
 from vserve.core.memory import GiB, MiB, num_params, plan_memory
-from vserve.core.model_shapes import known_shape
+from vserve.ops.model_shapes import known_shape
 from vserve.profiles import PROFILES_DIR, all_profiles, detect, get_profile, load_profile, profile_names, size_class
 from vserve.profiles.detect import GpuInfo, match_profile, resolve_profile
 from vserve.profiles.settings import profile_settings

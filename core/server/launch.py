@@ -61,8 +61,8 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
 def served_model_names(model: str | None, given: tuple[str, ...]) -> tuple[str, ...]:
     """--served-model-name's names, else the hub id as typed, a local model's folder or file name, or the default
     model's name."""
-    from vserve.core.assets import DEFAULT_MODEL_NAME
     from vserve.core.hub import is_local
+    from vserve.ops.assets import DEFAULT_MODEL_NAME
 
     if given:
         return given

@@ -60,7 +60,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     from safetensors.torch import save_file
 
     from vserve.core.gguf_file import gguf_config, gguf_tensor_count, gguf_tokenizer, iter_gguf_tensors
-    from vserve.core.progress import progress_bar
+    from vserve.ops.progress import progress_bar
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -64,7 +64,7 @@ def known_shape(name: str) -> ModelConfig:
 
 
 def read_model_config(model: str | Path) -> ModelConfig:
-    """A model folder, a config.json file, a KNOWN_SHAPES name or a hub id (GGUF files: see core/doctor.py)."""
+    """A model folder, a config.json file, a KNOWN_SHAPES name or a hub id (GGUF files: see ops/doctor.py)."""
     if isinstance(model, str) and model in KNOWN_SHAPES:
         return known_shape(model)
     p = Path(model)

@@ -1,6 +1,6 @@
 """Probe the real machine for `vserve doctor`: NVML, ROCm, torch, installed packages, NCCL, /dev/shm, Triton.
 
-Each probe catches its own failure and leaves its field empty; core/doctor.py turns the result into findings.
+Each probe catches its own failure and leaves its field empty; ops/doctor.py turns the result into findings.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vserve.core.doctor import Environment
+from vserve.ops.doctor import Environment
 from vserve.profiles.detect import nvml_report, rocm_gpus
 
 PACKAGES = ("torch", "triton", "pytorch-triton-rocm", "transformers", "numpy", "nvidia-ml-py",

@@ -1,4 +1,4 @@
-"""`vserve doctor`'s checks. Each is a pure function of an `Environment` (core/probe.py fills one on a real machine;
+"""`vserve doctor`'s checks. Each is a pure function of an `Environment` (ops/probe.py fills one on a real machine;
 the CI fault matrix builds them by hand) returning status, finding and fix; the memory plan of a model on the
 chosen GPU comes with ordered remedies, each with the numbers it would give."""
 
@@ -387,7 +387,7 @@ def remedies(m: ModelConfig, plan: MemoryPlan, settings: dict, profile: GpuProfi
 
 def is_hub_model(model: str | None) -> bool:
     from vserve.core.hub import HubModel, is_local
-    from vserve.core.model_shapes import KNOWN_SHAPES
+    from vserve.ops.model_shapes import KNOWN_SHAPES
 
     return bool(model) and model not in KNOWN_SHAPES and not is_local(model) and HubModel.parse(model) is not None
 
@@ -425,10 +425,10 @@ def load_model(model: str) -> ModelConfig:
     """A model folder, .gguf file, config.json or known shape name -> its ModelConfig (for planning)."""
     if model.endswith(".gguf"):
         from vserve.core.gguf_file import gguf_config  # imports torch; doctor's probing has already
-        from vserve.core.model_shapes import planning_config
+        from vserve.ops.model_shapes import planning_config
 
         return planning_config(gguf_config(model))
-    from vserve.core.model_shapes import read_model_config
+    from vserve.ops.model_shapes import read_model_config
 
     return read_model_config(model)
 
