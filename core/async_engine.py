@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vserve.core.engine import LLMEngine
 from vserve.core.request import CompletionOutput, Request, RequestOutput
@@ -32,31 +32,66 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class _Stream:
+    """One request's queue to its consumer. The engine sends deltas (what is new since the last step): `fold` adds
+    each to the cumulative `output` (lists extended, text kept as pieces and joined once, at the end), then a
+    streaming consumer gets the delta itself and a non-streaming one the finished output: no step copies what came
+    before it."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     final_only: bool = False  # a non-streaming request is woken once, with its final output
     children: list[Request] | None = None
-    output: RequestOutput | None = None  # the engine process's deltas add up here, in place
+    output: RequestOutput | None = None
+    text_parts: list[list[str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        first = self.children[0]
+        with_lp = first.sampling_params.logprobs is not None
+        self.output = RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids,
+                                    [CompletionOutput(r.index, "", [], 0.0 if with_lp else None,
+                                                      [] if with_lp else None) for r in self.children], False)
+        self.text_parts = [[] for _ in self.children]
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    def fold(self, delta: RequestOutput) -> None:
+        """On the event loop: add one delta to the output and wake the consumer if it wants this one."""
+        out = self.output
+        for d in delta.outputs:
+            c = out.outputs[d.index]
+            c.token_ids += d.token_ids
+            self.text_parts[d.index].append(d.text)
+            if d.logprobs is not None:
+                c.logprobs += d.logprobs
+                c.cumulative_logprob += d.cumulative_logprob or 0.0
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        out.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            out.finished = True
+            for c, parts in zip(out.outputs, self.text_parts):
+                c.text = "".join(parts)
+        if not self.final_only:
+            self.queue.put_nowait(delta)
+        elif out.finished:
+            self.queue.put_nowait(out)
 
-def snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy a consumer may keep while the original grows (its lists copied; strings are immutable)."""
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
-                         [CompletionOutput(c.index, c.text, c.token_ids[:], c.cumulative_logprob,
-                                           None if c.logprobs is None else c.logprobs[:], c.finish_reason,
-                                           c.stop_reason) for c in out.outputs],
-                         out.finished, out.num_cached_tokens)
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (a consumer that fell behind gets them in one chunk)."""
+    by_index = {c.index: c for c in a.outputs}
+    outs = [by_index.pop(d.index).then(d) if d.index in by_index else d for d in b.outputs]
+    outs += by_index.values()
+    outs.sort(key=lambda c: c.index)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.num_cached_tokens)
 
 
-def _deliver(items: list[tuple[_Stream, object]]) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
+def _fold(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, delta in items:
+        stream.fold(delta)
 
 
-def put_all(items: list[tuple[_Stream, object]], deliver: Callable[[list], None] = _deliver) -> None:
+def put_all(items: list[tuple[_Stream, object]], deliver: Callable[[list], None] = _fold) -> None:
     """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per request."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, item in items:
@@ -182,8 +217,9 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        stream: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs until finished (only the final one unless `stream`); cancelling the
-        iterator aborts the request."""
+        """With `stream`, yield deltas (each output holds only the text, tokens and logprobs new since the one
+        before) until finished; else one cumulative, finished output. Cancelling the iterator aborts the
+        request."""
         if self.error is not None:
             raise self._dead()
         children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError for bad input
@@ -199,13 +235,14 @@ class EngineClient:
         try:
             while True:
                 item = await s.queue.get()
-                # Outputs are cumulative: when the consumer has fallen behind, only the latest one matters
-                # (the server then sends the tokens of several steps in one chunk).
+                # A consumer that fell behind gets the deltas waiting for it as one (the server then sends the
+                # tokens of several steps in one chunk).
                 while not isinstance(item, BaseException) and not item.finished and not s.queue.empty():
-                    item = s.queue.get_nowait()
+                    nxt = s.queue.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else merge_deltas(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
-                yield item if s.output is None else snapshot(item)
+                yield item
                 if item.finished:
                     finished = True
                     return
@@ -227,7 +264,7 @@ class AsyncEngine(EngineClient):
                  on_step: Callable[[LLMEngine, int, float], None] | None = None,
                  on_finish: Callable[[RequestOutput, list[Request]], None] | None = None) -> None:
         super().__init__(engine, max_queue_len, on_step, on_finish)
-        self.loop = StepLoop(engine, self._emit)
+        self.loop = StepLoop(engine, self._emit, delta=True)
         self._thread = threading.Thread(target=self._run, name="vserve-engine", daemon=True)
 
     def start(self) -> None:

@@ -52,15 +52,19 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
-    def text(self, finished: bool) -> str:
-        """All text safe to show: everything once finished, else minus the held-back tail."""
+    def _safe_end(self, finished: bool) -> int:
+        """How much of output_text is safe to show: everything once finished, else minus the held-back tail."""
         if finished or not self.hold_back:
-            return self.output_text
-        return self.output_text[:max(len(self.output_text) - self.hold_back, self.num_sent)]
+            return len(self.output_text)
+        return max(len(self.output_text) - self.hold_back, self.num_sent)
+
+    def text(self, finished: bool) -> str:
+        """All text safe to show."""
+        return self.output_text[:self._safe_end(finished)]
 
     def new_text(self, finished: bool) -> str:
-        """The text not yet returned by this method (for streaming)."""
-        text = self.text(finished)
-        delta = text[self.num_sent:]
-        self.num_sent = len(text)
+        """The text not yet returned by this method (for streaming): a slice of only what is new."""
+        end = self._safe_end(finished)
+        delta = self.output_text[self.num_sent:end]
+        self.num_sent = end
         return delta

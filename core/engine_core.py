@@ -5,8 +5,9 @@ Two one-way pipes of pickled builtins. Server -> engine: ("add", (children, stre
 ("shutdown", None). Engine -> server, one message per step: ("step", deltas, stats), where a delta holds only
 what is new for a request since its last one (token ids, text, logprobs, finish state), so the bytes sent grow
 with the tokens, not with their square; ("stats", stats) when aborts or adds changed the cache while idle;
-("dead", reason) when the loop raised. The server adds the deltas up into the cumulative RequestOutputs that
-AsyncEngine yields, on its event loop.
+("dead", reason) when the loop raised. On the server's event loop each delta goes to its request's stream
+(core/async_engine.py `_Stream.fold`): a streaming response gets the delta, a non-streaming one the output built
+from them once.
 """
 
 from __future__ import annotations
@@ -247,11 +248,6 @@ class EngineCoreClient(EngineClient):
         return self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
 
     def _submit(self, children: list[Request], stream: _Stream) -> None:
-        first = children[0]
-        with_lp = first.sampling_params.logprobs is not None
-        stream.output = RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids,
-                                      [CompletionOutput(r.index, "", [], 0.0 if with_lp else None,
-                                                        [] if with_lp else None) for r in children], False)
         self._num_sent += 1
         self._send(("add", ([_encode(r) for r in children], not stream.final_only)))
 
@@ -295,24 +291,17 @@ class EngineCoreClient(EngineClient):
         put_all(ready, self._apply)
 
     def _apply(self, batch: list[tuple[_Stream, tuple]]) -> None:
-        """On the stream's event loop: add each delta to its request's output, then wake its consumer."""
-        for stream, (_, num_cached, times, comps) in batch:
+        """On the stream's event loop: each message's delta to its stream (which folds it into the request's
+        output and wakes its consumer)."""
+        for stream, (request_id, num_cached, times, comps) in batch:
             out = stream.output
-            for index, token_ids, text, lps, cum_lp, finish_reason, stop_reason in comps:
-                c = out.outputs[index]
-                c.token_ids += token_ids
-                c.text += text
-                if lps is not None:
-                    c.logprobs += lps
-                    c.cumulative_logprob += cum_lp
-                c.finish_reason, c.stop_reason = finish_reason, stop_reason
-            out.num_cached_tokens = num_cached
-            if times is not None:
-                out.finished = True
-                if self.on_finish is not None:
-                    for req, comp, (first_token_time, scheduled_time) in zip(stream.children, out.outputs, times):
-                        req.first_token_time, req.scheduled_time = first_token_time, scheduled_time
-                        req.output_token_ids = comp.token_ids
-                    self.on_finish(out, stream.children)
-            if out.finished or not stream.final_only:
-                stream.queue.put_nowait(out)
+            delta = RequestOutput(request_id, out.prompt, out.prompt_token_ids,
+                                  [CompletionOutput(index, text, token_ids, cum_lp, lps, finish_reason, stop_reason)
+                                   for index, token_ids, text, lps, cum_lp, finish_reason, stop_reason in comps],
+                                  times is not None, num_cached)
+            stream.fold(delta)
+            if times is not None and self.on_finish is not None:
+                for req, comp, (first_token_time, scheduled_time) in zip(stream.children, out.outputs, times):
+                    req.first_token_time, req.scheduled_time = first_token_time, scheduled_time
+                    req.output_token_ids = comp.token_ids
+                self.on_finish(out, stream.children)

@@ -91,6 +91,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: CompletionOutput) -> CompletionOutput:
+        """This delta followed by the next one of the same output, as one delta."""
+        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        cum = None if self.cumulative_logprob is None else self.cumulative_logprob + (later.cumulative_logprob or 0.0)
+        return CompletionOutput(later.index, self.text + later.text, self.token_ids + later.token_ids, cum, lps,
+                                later.finish_reason, later.stop_reason)
+
 
 @dataclass
 class RequestOutput:

@@ -220,3 +220,56 @@ def test_an_abort_and_a_new_request_reusing_its_id_in_one_pass_keep_their_order(
     loop.run()
     assert engine.calls == [("submit", "x-old"), ("abort", "x"), ("submit", "x-new")]
     assert loop.num_taken == 2 and loop.num_pending() == 0
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_stream_hands_over_only_what_is_new(tiny_dir, kind):
+    """Deltas end to end: each streamed output holds only the tokens, text and logprobs new since the one before,
+    so the work a stream does is linear in its length (the chunks' token counts add up to the output's, where
+    cumulative outputs would add up to its square); a non-streaming request gets the same output, built once."""
+    from vserve.core.async_engine import AsyncEngine
+    from vserve.core.config import EngineConfig
+    from vserve.core.engine import LLMEngine
+    from vserve.core.engine_core import EngineCoreClient
+    from vserve.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64)
+    client = EngineCoreClient(config) if kind == "process" else AsyncEngine(LLMEngine(config))
+    client.start()
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, logprobs=2, n=2)
+
+    async def run():
+        chunks = [out async for out in client.generate("s", [5, 6, 7, 8], params, stream=True)]
+        final = [out async for out in client.generate("f", [5, 6, 7, 8], params, stream=False)]
+        return chunks, final
+
+    try:
+        chunks, final = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert len(final) == 1 and final[0].finished and chunks[-1].finished
+    assert len(chunks) > 10  # streamed step by step, not at the end
+    for i in range(2):
+        comps = [c for out in chunks for c in out.outputs if c.index == i]
+        whole = final[0].outputs[i]
+        assert sum(len(c.token_ids) for c in comps) == len(whole.token_ids) == 120
+        assert [t for c in comps for t in c.token_ids] == whole.token_ids
+        assert "".join(c.text for c in comps) == whole.text
+        assert [lp for c in comps for lp in c.logprobs] == whole.logprobs
+        assert abs(sum(c.cumulative_logprob for c in comps) - whole.cumulative_logprob) < 1e-4
+        assert comps[-1].finish_reason == whole.finish_reason == "length"
+
+
+def test_deltas_a_consumer_fell_behind_on_are_merged_in_order():
+    from vserve.core.async_engine import merge_deltas
+    from vserve.core.request import CompletionOutput, RequestOutput
+
+    def delta(text, ids, finish=None):
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, text, ids, -0.5 * len(ids), [{t: None} for t in ids],
+                                                              finish)], finish is not None)
+
+    merged = merge_deltas(merge_deltas(delta("a", [1]), delta("", [2])), delta("bc", [3, 4], "stop"))
+    c = merged.outputs[0]
+    assert (c.text, c.token_ids, c.cumulative_logprob, c.finish_reason, merged.finished) == \
+        ("abc", [1, 2, 3, 4], -2.0, "stop", True)
+    assert c.logprobs == [{1: None}, {2: None}, {3: None}, {4: None}]

@@ -190,34 +190,35 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
 
 
 async def _stream_completion(engine, body: CompletionRequest, gens, base_id, created, model, tokenizer):
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tok: dict[tuple[int, int], int] = {}
+    """Each output is a delta: only its new text and tokens are handled, so a chunk costs the same however long
+    the completion already is."""
+    sent_text: dict[tuple[int, int], int] = {}  # characters sent per choice: the logprobs' text offsets
+    held: dict[tuple[int, int], CompletionOutput] = {}  # tokens whose text is not complete yet
     n_prompt = n_completion = n_cached = 0
     try:
         async for pi, out in _merge(gens):
             for comp in out.outputs:
                 key = (pi, comp.index)
                 if key not in sent_text:
-                    sent_text[key], sent_tok[key] = 0, 0
+                    sent_text[key] = 0
                     if body.echo:
                         p = body.prompts()[pi]
                         yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index,
                                           p if isinstance(p, str) else tokenizer.decode(p), None, None))
-                delta = comp.text[sent_text[key]:]
-                new_tokens = comp.token_ids[sent_tok[key]:]
-                if not delta and not comp.finish_reason:
+                n_completion += len(comp.token_ids)
+                if key in held:
+                    comp = held.pop(key).then(comp)
+                if not comp.text and not comp.finish_reason:
+                    held[key] = comp  # sent with the chunk that completes their text
                     continue
                 lp = None
-                if body.logprobs is not None and new_tokens:
-                    part = CompletionOutput(comp.index, delta, new_tokens, None,
-                                            (comp.logprobs or [])[sent_tok[key]:])
-                    lp = _completion_logprobs(tokenizer, part, body.logprobs, sent_text[key])
-                sent_text[key], sent_tok[key] = len(comp.text), len(comp.token_ids)
-                yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index, delta, lp,
+                if body.logprobs is not None and comp.token_ids:
+                    lp = _completion_logprobs(tokenizer, comp, body.logprobs, sent_text[key])
+                sent_text[key] += len(comp.text)
+                yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index, comp.text, lp,
                                   comp.finish_reason))
             if out.finished:
                 n_prompt += len(out.prompt_token_ids)
-                n_completion += sum(len(c.token_ids) for c in out.outputs)
                 n_cached += out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
@@ -280,29 +281,28 @@ async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, to
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": choices, **extra})
 
-    sent_text = [0] * body.n
-    sent_tok = [0] * body.n
+    n_completion = 0
+    held: dict[int, CompletionOutput] = {}  # tokens whose text is not complete yet
     last = None
     try:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
-        async for out in gen:
+        async for out in gen:  # deltas: only what is new
             last = out
             for comp in out.outputs:
-                i = comp.index
-                delta = comp.text[sent_text[i]:]
-                new_tokens = comp.token_ids[sent_tok[i]:]
-                if not delta and not comp.finish_reason:
+                n_completion += len(comp.token_ids)
+                if comp.index in held:
+                    comp = held.pop(comp.index).then(comp)
+                if not comp.text and not comp.finish_reason:
+                    held[comp.index] = comp  # sent with the chunk that completes their text
                     continue
                 lp = None
-                if body.logprobs and new_tokens:
-                    lp = _chat_logprobs(tokenizer, new_tokens, (comp.logprobs or [])[sent_tok[i]:], n_top)
-                sent_text[i], sent_tok[i] = len(comp.text), len(comp.token_ids)
-                yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": comp.finish_reason}])
+                if body.logprobs and comp.token_ids:
+                    lp = _chat_logprobs(tokenizer, comp.token_ids, comp.logprobs or [], n_top)
+                yield chunk([{"index": comp.index, "delta": {"content": comp.text} if comp.text else {},
+                              "logprobs": lp, "finish_reason": comp.finish_reason}])
         if body.stream_options and body.stream_options.include_usage and last is not None:
-            yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
-                                        last.num_cached_tokens))
+            yield chunk([], usage=usage(len(last.prompt_token_ids), n_completion, last.num_cached_tokens))
     except (ValueError, RuntimeError) as e:
         yield _stream_error(e)
     finally:
