@@ -43,6 +43,8 @@ from pathlib import Path
 
 from h200_engine import LLAMA3_8B, SMOLLM2  # the engine benchmark's shapes (benchmarks/ is sys.path[0])
 
+from vserve.cli.bench_startup import stop_process
+
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=510,
             eos_token_id=511, torch_dtype="float32")
@@ -156,12 +158,7 @@ def server(args: list[str], log: Path, start_s: float):
             time.sleep(0.25)
         yield url, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vserve import SamplingParams
-from vserve.cli import bench_experiment, bench_latency, bench_perplexity, bench_serve
+from vserve.cli import bench_experiment, bench_latency, bench_perplexity, bench_serve, bench_startup
 from vserve.cli.bench_datasets import DATASETS, Workload, make_workload, parse_len, random_workload  # noqa: F401
 from vserve.cli.engine_args import build_llm, engine_command
 from vserve.ops.assets import DEFAULT_MODEL_NAME  # no torch
@@ -24,6 +24,7 @@ app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.command("serve")(bench_serve.serve)
 app.command("latency")(engine_command(bench_latency.latency))
 app.command("perplexity")(engine_command(bench_perplexity.perplexity))
+app.command("startup")(engine_command(bench_startup.startup))
 app.add_typer(bench_experiment.app, name="experiment")
 console = Console(highlight=False)
 BACKENDS = ("vserve", "hf")

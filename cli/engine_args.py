@@ -22,6 +22,7 @@ from vserve.core.config import (  # plain dataclass, no torch
     QUANTIZATION_METHODS,
     EngineConfig,
 )
+from vserve.ops import startup  # stdlib only
 
 err_console = Console(stderr=True)
 PANEL = "Engine options"
@@ -140,6 +141,7 @@ def engine_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def command(**kwargs: Any) -> Any:
+        startup.mark_imports()
         engine_args = {f.name: kwargs.pop(f.name) for f in ENGINE_FLAGS}
         with exit_on_bad_input():
             config = EngineConfig.resolve(engine_args, profile=None)
@@ -155,6 +157,24 @@ def engine_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     command.__signature__ = sig.replace(parameters=own + [f.parameter() for f in ENGINE_FLAGS] + [show])
     return command
+
+
+def engine_argv(engine_args: dict[str, Any]) -> list[str]:
+    """The command-line flags that give these engine args (those not None) to another vserve command."""
+    argv: list[str] = []
+    for flag in ENGINE_FLAGS:
+        value = engine_args.get(flag.name)
+        name = "--" + flag.name.replace("_", "-")
+        if value is None:
+            continue
+        if flag.type is bool:
+            if value:
+                argv.append(flag.decls[0] if flag.decls else name)
+            elif not flag.decls:
+                argv.append("--no-" + name[2:])
+            continue
+        argv += [flag.decls[0] if flag.decls else name, str(value)]
+    return argv
 
 
 def build_llm(engine_args: dict[str, Any]):

@@ -22,6 +22,7 @@ from vserve.core.sampler import SampledTokens
 from vserve.core.sampling_params import SamplingParams
 from vserve.core.scheduler import Scheduler
 from vserve.core.worker import start_tensor_parallel
+from vserve.ops import startup
 
 
 @dataclass
@@ -40,8 +41,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from vserve.core.hub import resolve_model_files
 
-        self.config = config = resolve_model_files(config)  # hub ids -> cached snapshot paths
-        path, fmt, self.model_config = model_source(config)
+        with startup.phase("resolve model"):
+            self.config = config = resolve_model_files(config)  # hub ids -> cached snapshot paths
+            path, fmt, self.model_config = model_source(config)
         mc = self.model_config
         self.device = pick_device(config.device)
         self.workers = None
@@ -66,7 +68,8 @@ class LLMEngine:
         self.max_model_len = self.processor.max_model_len
         self.tokenizer = self.processor.tokenizer
         self.stop_token_ids = self.processor.stop_token_ids
-        self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed, config.quantization)
+        with startup.phase("weights"):
+            self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed, config.quantization)
 
         bs, tp = config.block_size, config.tensor_parallel_size
         multi = tp * config.pipeline_parallel_size > 1
@@ -78,9 +81,10 @@ class LLMEngine:
                 from vserve.core.model_runner import profile_peak_activation
 
                 measured["in_use_bytes"] = total - free
-                measured["peak_activation_bytes"] = profile_peak_activation(
-                    self.model, mc, c.max_num_batched_tokens, self.max_model_len, c.max_num_seqs, bs, self.dtype,
-                    self.device)
+                with startup.phase("memory profile"):
+                    measured["peak_activation_bytes"] = profile_peak_activation(
+                        self.model, mc, c.max_num_batched_tokens, self.max_model_len, c.max_num_seqs, bs,
+                        self.dtype, self.device)
         # One planner for the engine and `vserve doctor`; here it is fed what was measured.
         self.memory_plan = plan_memory(
             mc, gpu_memory_bytes=measured.pop("gpu_memory_bytes", None), dtype_bytes=self.dtype.itemsize,

@@ -25,6 +25,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.engine import EngineStats
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
+from vserve.ops import startup
 
 log = logging.getLogger("vserve.engine")
 
@@ -111,23 +112,21 @@ class EngineCore:
 
 
 def run_engine_core(config: EngineConfig, commands, outputs) -> None:
-    """The engine process's entry point: build the engine, say ("ready", pid) or ("failed", kind, message),
-    then step until told to stop or the server is gone."""
+    """The engine process's entry point: build the engine, say ("ready", pid, start-up report) or ("failed", kind,
+    message), then step until told to stop or the server is gone."""
     # The server decides when the engine stops (after draining): a Ctrl-C or SIGTERM sent to the whole group
     # must not kill the engine under in-flight requests. A server that dies closes the pipe, which stops us.
+    startup.mark_imports()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    import torch
-
     from vserve.core.engine import LLMEngine
-    from vserve.core.loader import pick_device
 
     try:
-        if pick_device(config.device).type == "cpu":
-            # Leave the server's process a core: an OpenMP thread that waits for a busy core stalls every op
-            # (on 2 busy cores, a decode step took 10x longer with 2 threads than with 1).
-            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+        # On the CPU the engine keeps torch's thread count (every core, or OMP_NUM_THREADS): the server's process is
+        # mostly idle while the engine steps. Leaving it a core cost a third of the throughput on 2 cores
+        # (SmolLM2 fp32, 32 streams of 256 tokens: 106 output tok/s with one thread, 129 and 148 with two,
+        # against 135-149 offline; docs/performance.md).
         engine = LLMEngine(config)
     except ValueError as e:  # bad input (a model that does not fit, ...): the server says it in one line
         outputs.send(("failed", "ValueError", str(e)))
@@ -136,7 +135,7 @@ def run_engine_core(config: EngineConfig, commands, outputs) -> None:
         log.error("the engine failed to start: %r", e, exc_info=e)
         outputs.send(("failed", type(e).__name__, str(e)))
         return
-    outputs.send(("ready", os.getpid()))
+    outputs.send(("ready", os.getpid(), startup.report()))
     sys.exit(EngineCore(engine, commands, outputs).run())
 
 
@@ -184,14 +183,15 @@ class EngineCoreClient(EngineClient):
         self._send_lock = threading.Lock()
         self._num_sent = 0
         self._closing = False
-        self._proc.start()
-        cmd_recv.close()  # ours closed, so the pipes report EOF when the other side dies
-        out_send.close()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self._kill()
-            raise
+        with startup.phase("engine process"):
+            self._proc.start()
+            cmd_recv.close()  # ours closed, so the pipes report EOF when the other side dies
+            out_send.close()
+            try:
+                self._wait_ready()
+            except BaseException:
+                self._kill()
+                raise
         self.pid = self._proc.pid
         log.info("engine process started (pid %d)", self.pid)
         self._reader = threading.Thread(target=self._read, name="vserve-engine-outputs", daemon=True)
@@ -210,6 +210,8 @@ class EngineCoreClient(EngineClient):
         if msg is None:
             self._proc.join(5)
             raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while starting")
+        if msg[0] == "ready":
+            startup.CHILD.update(msg[2])
         if msg[0] == "failed":
             self._proc.join(5)
             if msg[1] == "ValueError":

@@ -12,6 +12,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.engine import LLMEngine
 from vserve.core.request import RequestOutput
 from vserve.core.sampling_params import SamplingParams
+from vserve.ops import startup
 from vserve.ops.progress import make_progress
 
 # A text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}, each with an optional
@@ -25,6 +26,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine(EngineConfig.resolve({"model": model, **engine_args}))
+        startup.write_report()  # for `vserve bench startup`, when it asks
         self._ids = itertools.count()
 
     def get_tokenizer(self):

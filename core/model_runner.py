@@ -14,6 +14,7 @@ from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
 from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
 from vserve.core.scheduler import SchedulerOutput
+from vserve.ops import startup
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -67,7 +68,8 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.bind_kv_cache(num_blocks)
+        with startup.phase("kv cache"):
+            self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
         self.pin = device.type == "cuda"
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers for to_device, in turn
@@ -77,7 +79,8 @@ class ModelRunner:
         self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not enforce_eager:
-            self.capture_graphs(graph_batch_sizes(max_num_seqs))
+            with startup.phase("cuda graphs"):
+                self.capture_graphs(graph_batch_sizes(max_num_seqs))
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []

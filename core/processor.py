@@ -15,6 +15,7 @@ from vserve.core.loader import model_source
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
 from vserve.core.sampling_params import SamplingParams
+from vserve.ops import startup
 
 
 def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
@@ -47,9 +48,10 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, path: Path, fmt: str, model_config: ModelConfig) -> None:
         self.model_config = model_config
         self.max_model_len = max_model_len_for(config, model_config)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
-            config.trust_remote_code)
+        with startup.phase("tokenizer"):
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+                Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
+                config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
 
     @classmethod

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from vserve.core.config import EngineConfig
+from vserve.ops import startup
 
 log = logging.getLogger("vserve.server")
 
@@ -41,7 +43,8 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     from vserve.core.hub import resolve_model_files
 
     names = served_model_names(config.model, opts.served_model_name)
-    config = resolve_model_files(config)  # here, so the engine process gets local paths
+    with startup.phase("resolve model"):
+        config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
     if config.model and _is_embedding(config.model):
         from vserve.core.embedding import EmbeddingEngine
@@ -158,7 +161,16 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
                 return
             await asyncio.sleep(0.2)
 
+    async def announce_ready():
+        """uvicorn listens: the `server` phase ends, and `vserve bench startup` gets the start-up report."""
+        start = time.perf_counter()
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.005)
+        startup.PHASES["server"] = time.perf_counter() - start
+        startup.write_report()
+
     async def main():
+        asyncio.ensure_future(announce_ready())
         watcher = asyncio.ensure_future(watch_engine())
         try:
             await server.serve()
