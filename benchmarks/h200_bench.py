@@ -1,7 +1,7 @@
 """Issue 6, acceptance 2, in one call on the H200: the `vserve bench` records.
 
     PYTHONPATH=... python benchmarks/h200_bench.py --out $OUT [--sections a,b,c,d] [--paging-shape small|8b]
-    PYTHONPATH=... python benchmarks/h200_bench.py --smoke --out /tmp/h200_bench_smoke   # CPU, tiny model
+    python benchmarks/h200_bench.py --cpu-smoke --out /tmp/h200_bench_smoke   # CPU, tiny model (--smoke too)
 
 (a) `vserve bench serve` at concurrency 256 against a real `vserve serve` process on 127.0.0.1 (the engine in its
     own process unless --no-engine-process; the JSON's server.engine says which ran), and `bench throughput`'s
@@ -12,7 +12,7 @@
 
 Random weights (--load-format dummy, bf16) in the Llama-3-8B shape. `bench serve` and the server need a tokenizer
 (the server streams text; with --skip-tokenizer-init it streams one empty chunk per request, which bench serve
-counts as a failure), and none is available offline there: each model folder gets a synthetic word-level
+counts as a failure), and none is available offline there: each model folder gets common.py's synthetic word-level
 tokenizer over the model's whole vocabulary (token i is the word `t{i}`, Llama-3's special ids special), so both
 sides draw the same token-id workload and both pay a real incremental detokenization per token.
 The clients are the CLI itself (`python -m vserve.cli.main bench serve ... --json`, a separate process); the
@@ -32,24 +32,14 @@ import json
 import os
 import re
 import resource
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from h200_engine import LLAMA3_8B, SMOLLM2  # the engine benchmark's shapes (benchmarks/ is sys.path[0])
-
-from vserve.cli.bench_startup import stop_process
-
-TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=510,
-            eos_token_id=511, torch_dtype="float32")
-CLI = [sys.executable, "-m", "vserve.cli.main"]
-os.environ.setdefault("VSERVE_NO_PROGRESS", "1")  # progress bars off here and in every process started (inherited)
+from common import CLI, LLAMA3_8B, SMOLLM2, TINY, model_folder, server  # benchmarks/ is sys.path[0]
 
 
 @dataclass(slots=True)
@@ -96,71 +86,7 @@ class Plan:
                    server_start_s=180.0)
 
 
-# ---- model folders: config.json and a synthetic tokenizer ------------------------------------------------------
-def special_tokens(cfg: dict) -> dict[int, str]:
-    """bos and eos by the config's ids; Llama-3's reserved ids 128000.. too for its vocabulary."""
-    reserved = range(128000, 128256) if cfg["vocab_size"] == 128256 else range(0)
-    names = {i: f"<|reserved_special_token_{i - reserved.start}|>" for i in reserved}
-    return {**names, cfg["bos_token_id"]: "<|begin_of_text|>", cfg["eos_token_id"]: "<|end_of_text|>"}
-
-
-def write_tokenizer(folder: Path, cfg: dict) -> None:
-    """A word-level tokenizer over the whole vocabulary: token i decodes to `t{i}`, words joined by spaces."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    special = special_tokens(cfg)
-    vocab = {special.get(i, f"t{i}"): i for i in range(cfg["vocab_size"])}
-    eos = special[cfg["eos_token_id"]]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=eos))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(special[i], special=True) for i in sorted(special)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[cfg["bos_token_id"]],
-                            eos_token=eos).save_pretrained(folder)
-
-
-def model_folder(cfg: dict) -> str:
-    d = Path(tempfile.mkdtemp(prefix="vserve-bench-"))
-    (d / "config.json").write_text(json.dumps(cfg))
-    write_tokenizer(d, cfg)
-    return str(d)
-
-
-# ---- a server process and the CLI as a client ----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(args: list[str], log: Path, start_s: float):
-    """`vserve serve ARGS --host 127.0.0.1 --port P`, up once /health answers; stopped (SIGTERM) on exit."""
-    import httpx
-
-    port = free_port()
-    with log.open("w") as fh:
-        proc = subprocess.Popen([*CLI, "serve", *args, "--host", "127.0.0.1", "--port", str(port)], stdout=fh,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not up in {start_s:.0f} s: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        yield url, proc.pid
-    finally:
-        stop_process(proc)
-
-
+# ---- the CLI as a client -------------------------------------------------------------------------------
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a live process (Linux /proc), to tell a CPU-bound server from a busy GPU."""
     try:
@@ -445,7 +371,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="a,b,c,d")
-    ap.add_argument("--smoke", action="store_true", help="CPU, float32, a tiny random model and tiny workloads")
+    ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
+                    help="CPU, float32, a tiny random model and tiny workloads")
     ap.add_argument("--paging-shape", choices=("small", "8b"), default="small",
                     help="(c)'s model: the SmolLM2-135M shape (quick) or the Llama-3-8B shape")
     ap.add_argument("--paging-repeats", type=int, help="(c)'s timed runs per mix and backend (default 3)")
@@ -455,8 +382,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=285.0, help="skip (b)'s caching-off run or (c) when too "
                     "little of this many seconds is left, so the run ends with its table inside the call's limit")
     args = ap.parse_args()
-    plan = Plan.smoke() if args.smoke else Plan(LLAMA3_8B, SMOLLM2 if args.paging_shape == "small" else LLAMA3_8B)
-    if args.smoke:  # one CPU thread per process: a busy small machine makes OpenMP threads wait on each other
+    plan = Plan.smoke() if args.cpu_smoke else Plan(LLAMA3_8B, SMOLLM2 if args.paging_shape == "small" else LLAMA3_8B)
+    if args.cpu_smoke:  # one CPU thread per process: a busy small machine makes OpenMP threads wait on each other
         import torch
 
         torch.set_num_threads(1)
@@ -475,7 +402,7 @@ def main() -> None:
     import torch  # CUDA starts in this process only now: the server had the GPU to itself
 
     rec.results["env"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
-                          if torch.cuda.is_available() and not args.smoke else "cpu",
+                          if torch.cuda.is_available() and not args.cpu_smoke else "cpu",
                           "gpu_free_fraction_after_server": wait_gpu_released()}
     if sections & {"a", "b"}:
         run_offline_phase(rec, plan, folder, sections)

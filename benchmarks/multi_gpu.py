@@ -5,6 +5,8 @@ shape, and vserve doctor there. Run it as
     PYTHONPATH=... python benchmarks/multi_gpu.py --out $OUT --tp 1,2,4      # nvidia-h200-x4
     python benchmarks/multi_gpu.py --cpu-smoke --out /tmp/mg                 # tiny shapes, gloo on 2 CPU ranks
 
+Every model folder carries common.py's synthetic tokenizer, and the engine loads it, as users run it.
+
 Sections (--sections, comma-separated):
 - parity: a random 8B-shape HF checkpoint (bf16 safetensors, written once) served in float32 at each TP size;
   greedy tokens of 8 prompts x 32 tokens compared with TP=1's (dummy weights would differ between TP sizes:
@@ -27,22 +29,16 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
+from common import LLAMA3_8B, MIXTRAL_8X7B, free_gpu, hf_config, model_folder, workload  # benchmarks/ is sys.path[0]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from h200_engine import LLAMA3_8B, free_gpu, model_dir, workload  # noqa: E402
-
-MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
-                    max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
-                    bos_token_id=1, eos_token_id=2)
+# --cpu-smoke's sizes for both shapes (bos and eos inside the small vocabulary)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 
 
 def _gpu() -> bool:
@@ -55,10 +51,10 @@ def _engine_args(smoke: bool) -> dict:
 
 def _serve(folder: str, prompts, outs, tp: int, smoke: bool, greedy: bool = False, **args) -> dict:
     """Generate outs[i] tokens for prompts[i] (ignore_eos; greedy or temperature 1) with engine args; time, tokens,
-    peak memory of rank 0."""
+    the planned peak memory of rank 0 and, when rank 0 runs in this process, the measured one."""
     from vserve import LLM, SamplingParams
 
-    llm = LLM(folder, skip_tokenizer_init=True, tensor_parallel_size=tp, **{**_engine_args(smoke), **args})
+    llm = LLM(folder, tensor_parallel_size=tp, **{**_engine_args(smoke), **args})
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         sps = [SamplingParams(temperature=0 if greedy else 1.0, max_tokens=o, ignore_eos=True) for o in outs]
@@ -72,12 +68,13 @@ def _serve(folder: str, prompts, outs, tp: int, smoke: bool, greedy: bool = Fals
         dt = time.perf_counter() - t0
         n = sum(len(r.outputs[0].token_ids) for r in res)
         assert n == sum(outs), (n, sum(outs))
-        plan = llm.llm_engine.memory_plan
+        engine = llm.llm_engine
+        in_process = _gpu() and engine.core is not None  # rank 0 in this process: its peak is measured here
         return dict(tp=tp, seconds=dt, output_tokens=n, output_tok_s=n / dt,
                     tokens=[r.outputs[0].token_ids for r in res],
-                    rank0_torch_peak=torch.cuda.max_memory_allocated() if _gpu() else None,
-                    plan_torch_peak=getattr(plan, "torch_peak_bytes", None),
-                    kv_blocks=llm.llm_engine.stats().num_blocks)
+                    rank0_torch_peak=torch.cuda.max_memory_allocated() if in_process else None,
+                    plan_torch_peak=engine.info.memory_plan.get("torch_peak_bytes"),
+                    kv_blocks=engine.stats().num_blocks)
     finally:
         llm.llm_engine.shutdown()
         del llm
@@ -85,11 +82,10 @@ def _serve(folder: str, prompts, outs, tp: int, smoke: bool, greedy: bool = Fals
 
 
 def section_parity(res: dict, tps: list[int], smoke: bool) -> None:
-    from h200_engine import hf_config
     from transformers import AutoModelForCausalLM
 
     cfg = dict(LLAMA3_8B, **TINY) if smoke else LLAMA3_8B
-    folder = Path(tempfile.mkdtemp(prefix="vserve-8b-ckpt-"))
+    folder = Path(model_folder(cfg))
     torch.manual_seed(0)
     with torch.device("cuda" if _gpu() else "cpu"):
         model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.bfloat16)
@@ -116,7 +112,7 @@ def section_runs(res: dict, key: str, cfg: dict, tps: list[int], smoke: bool, bs
     else:
         n, seed, lens, seqs = (8, 0, ((4, 12), (4, 20)), 16) if smoke else (256, 0, ((100, 1024), (100, 1024)), 256)
     p, o = workload(n, seed, cfg["vocab_size"], lens[0], in_len=lens[1])
-    folder = model_dir(cfg)
+    folder = model_folder(cfg)
     tag = "_bs1" if bs1 else ""
     for tp in tps:
         r = _serve(folder, p, o, tp, smoke, load_format="dummy", dtype="float32" if smoke else "bfloat16",
@@ -128,7 +124,7 @@ def section_runs(res: dict, key: str, cfg: dict, tps: list[int], smoke: bool, bs
 
 def section_doctor(res: dict, tps: list[int], smoke: bool) -> None:
     for name, cfg in (("llama3_8b", LLAMA3_8B), ("mixtral_8x7b", MIXTRAL_8X7B)):
-        folder = model_dir(dict(cfg, **TINY) if smoke else cfg)
+        folder = model_folder(dict(cfg, **TINY) if smoke else cfg)
         for tp in tps:
             cmd = [sys.executable, "-m", "vserve.cli.main", "doctor", folder, "-tp", str(tp), "--json"]
             if smoke:

@@ -27,7 +27,7 @@ app.command("perplexity")(engine_command(bench_perplexity.perplexity))
 app.command("startup")(engine_command(bench_startup.startup))
 app.add_typer(bench_experiment.app, name="experiment")
 console = Console(highlight=False)
-BACKENDS = ("vserve", "hf")
+BACKENDS = ("vserve", "hf", "hf-batch")
 
 
 @dataclass
@@ -52,9 +52,16 @@ def special_ids(tok) -> set[int]:
     return set(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
-def run_vserve(llm, w: Workload) -> Result:
-    # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length.
-    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=o) for o in w.output_lens]
+def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_fraction: float = 1.0) -> Result:
+    # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length. extra
+    # (repetition_penalty, logprobs) goes to an evenly spread extra_fraction of the requests.
+    extra = extra or {}
+
+    def takes_extra(i: int) -> bool:
+        return int((i + 1) * extra_fraction) > int(i * extra_fraction)
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=o,
+                             **(extra if takes_extra(i) else {})) for i, o in enumerate(w.output_lens)]
     # Warm-up; 8 tokens are less than the smallest block, so the prefix cache keeps nothing the run reuses.
     llm.generate([w.prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
@@ -154,13 +161,18 @@ def _sync(device) -> None:
 
 
 def run_hf(engine_args: dict[str, Any], folder: Path, fmt: str, w: Workload, dtype, device,
-           pad_id: int) -> list[Result]:
+           pad_id: int, static: bool = True) -> list[Result]:
+    """HF transformers on the same requests: generate with static batching (unless not static), then
+    generate_batch."""
     results = []
     with make_progress() as progress:
         task = progress.add_task("HF transformers: load", total=3)
         model = load_hf(folder, fmt, dtype, device, bool(engine_args["trust_remote_code"]))
-        progress.update(task, advance=1, description="HF transformers: generate (static batch)")
-        results.append(run_hf_generate(model, w, pad_id))
+        if static:
+            progress.update(task, advance=1, description="HF transformers: generate (static batch)")
+            results.append(run_hf_generate(model, w, pad_id))
+        else:
+            progress.update(task, advance=1)
         progress.update(task, advance=1, description="HF transformers: generate_batch (continuous)")
         results.append(run_hf_generate_batch(model, w))
         progress.update(task, advance=1, description="HF transformers: done")
@@ -200,7 +212,13 @@ def throughput(
     prefix_len: int = typer.Option(256, help="Shared prefix length for --dataset prefix."),
     num_prefixes: int = typer.Option(1, help="Distinct prefixes for --dataset prefix."),
     backend: str = typer.Option("vserve", help="vserve, or hf: also run HF transformers on the same requests "
-                                "(generate with static batching, and generate_batch) and print the ratios."),
+                                "(generate with static batching, and generate_batch) and print the ratios; "
+                                "hf-batch: generate_batch alone."),
+    repetition_penalty: float = typer.Option(None, help="Repetition penalty of the requests --sampling-fraction "
+                                             "picks (default: none)."),
+    logprobs: int = typer.Option(None, help="Top logprobs per token for the requests --sampling-fraction picks."),
+    sampling_fraction: float = typer.Option(1.0, help="Fraction of the requests (spread evenly) that take "
+                                            "--repetition-penalty and --logprobs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     *,
     engine_args: dict[str, Any],
@@ -208,11 +226,16 @@ def throughput(
     """Offline throughput of a workload (random, file, chat, prefix) with exact output lengths (eos ignored)."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if not 0.0 <= sampling_fraction <= 1.0:
+        raise ValueError(f"--sampling-fraction must be in [0, 1], got {sampling_fraction}")
+    extra = {k: v for k, v in dict(repetition_penalty=repetition_penalty, logprobs=logprobs).items()
+             if v is not None}
+    SamplingParams(**extra)  # bad values fail here, before the model loads
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     in_len, out_len = parse_len("--input-len", input_len), parse_len("--output-len", output_len)
     seed = engine_args["seed"] or 0
-    hf_folder = hf_model_folder(engine_args) if backend == "hf" else None  # refuse a GGUF before any work
+    hf_folder = hf_model_folder(engine_args) if backend != "vserve" else None  # refuse a GGUF before any work
 
     llm = build_llm(engine_args)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
@@ -225,14 +248,15 @@ def throughput(
     if longest > engine.max_model_len:
         raise ValueError(f"the workload has a request of {longest} tokens (prompt + output), more than "
                          f"--max-model-len {engine.max_model_len}")
-    results = [run_vserve(llm, w)]
+    results = [run_vserve(llm, w, extra, sampling_fraction)]
     notes = []
     if hf_folder is not None:
         dtype, device = engine.dtype, engine.device
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        engine.shutdown()  # an engine process exits and gives its GPU memory back
         del llm, engine  # free vserve's weights and KV cache before loading the peer
         gc.collect()
-        results += run_hf(engine_args, *hf_folder, w, dtype, device, pad_id)
+        results += run_hf(engine_args, *hf_folder, w, dtype, device, pad_id, static=backend == "hf")
         notes.append(f"HF runs greedy in {str(dtype).removeprefix('torch.')} on {device}; vserve samples "
                      "(temperature 1, top_p 1).")
         notes.append("hf generate_batch's time includes building and warming its manager, which every call does.")
@@ -241,7 +265,8 @@ def throughput(
                          "(one batch / one generation config); its output tokens count each request's own length, "
                          "as vserve's do.")
     report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "dataset": dataset,
-              "input_len": list(in_len), "output_len": list(out_len), "seed": seed}
+              "input_len": list(in_len), "output_len": list(out_len), "seed": seed,
+              "sampling": {**extra, "fraction": sampling_fraction} if extra else None}
     if len(results) > 1:
         report["peers"] = [r.as_dict() for r in results[1:]]
         report["ratios"] = {r.backend: report["output_tokens_per_s"] / max(r.as_dict()["output_tokens_per_s"], 1e-9)

@@ -70,14 +70,14 @@ def cv(values: list[float]) -> float:
 def run_paged(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, list[float], int]:
     """(elapsed s, per-request latencies s, peak KV blocks in use) for one batch through vserve's engine."""
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=output_len)
-    pool = engine.kv.pool
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     latencies, peak = [], 0
     while engine.has_unfinished_requests():
         outs = engine.step()
-        peak = max(peak, pool.num_blocks - pool.num_free_blocks())
+        s = engine.stats()  # live for an in-process core, else as of the engine process's last step
+        peak = max(peak, s.num_blocks - s.num_free_blocks)
         now = time.perf_counter() - start
         latencies += [now for o in outs if o.finished]
     return time.perf_counter() - start, latencies, peak
@@ -144,7 +144,7 @@ def paging(
     llm = build_llm({**engine_args, "max_model_len": engine_args["max_model_len"] or longest})
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
-    block_bytes = per_token * engine.kv.block_size
+    block_bytes = per_token * engine.config.block_size
     vocab, special = min(engine.model_config.vocab_size, len(tok)), set(tok.all_special_ids)
 
     def workload(mix: Mix, r: int) -> list[list[int]]:
@@ -167,7 +167,7 @@ def paging(
             peak_blocks = max(peak_blocks, peak)
         rows.append(summarize_runs("paged (vserve)", mix, elapsed, lats, peak_blocks * block_bytes,
                                    _peak_gpu(engine.device)))
-    notes = [f"KV peak: paged = most KV blocks in use at once x {block_bytes:,} B (block {engine.kv.block_size}); "
+    notes = [f"KV peak: paged = most KV blocks in use at once x {block_bytes:,} B (block {engine.config.block_size}); "
              "contiguous = batch x padded length x bytes per token (HF's cache for a padded static batch)."]
     if hf_folder is not None:
         dtype, device = engine.dtype, engine.device

@@ -74,6 +74,9 @@ ENGINE_FLAGS = (
     EngineFlag("enforce_eager", bool, "Never capture CUDA graphs", decls=("--enforce-eager",)),
     EngineFlag("async_scheduling", bool, "Schedule and build step N+1 while the GPU runs step N (outputs lag one "
                "step)", "on for one CUDA GPU, off on CPU and under TP/PP"),
+    EngineFlag("engine_process", bool, "Run the engine core (scheduler, KV cache, model) in its own process, so "
+               "detokenization and HTTP overlap its steps; off: in this process", "on for serve and on a GPU, off "
+               "for offline runs on the CPU; off under TP/PP"),
     EngineFlag("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes"),
     EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
     EngineFlag("quantization", str, f"{' | '.join(QUANTIZATION_METHODS)}: the checkpoint's quantization "

@@ -29,8 +29,6 @@ def serve(
     chat_template: str | None = typer.Option(None, help="Jinja chat template file overriding the model's"),
     max_queue_len: int | None = typer.Option(None, help="Most waiting requests before 429"),
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
-    engine_process: bool = typer.Option(True, help="Run the engine loop in its own process, the server's only "
-                                        "doing HTTP; off: on a thread of the server's (always so under TP/PP)"),
     disable_uvicorn_access_log: bool = typer.Option(False, "--disable-uvicorn-access-log",
                                                     help="No log line per HTTP request"),
     *,
@@ -58,6 +56,6 @@ def serve(
     print_config(config)
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
-                        engine_process=engine_process, access_log=not disable_uvicorn_access_log)
+                        access_log=not disable_uvicorn_access_log)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

@@ -1,9 +1,10 @@
-"""The server's engine clients: asyncio streams per request over an LLMEngine step loop.
+"""AsyncLLM: the server's front end. asyncio streams per request over an EngineCore in its own process (the default)
+or on a thread of this one (`--no-engine-process`, TP/PP), through the one protocol of core/core_client.py.
 
-`EngineClient` holds what both kinds share: the streams, validation and tokenization on the event loop
-(make_requests), the queue limit, aborts and engine-death propagation. `AsyncEngine` runs the `StepLoop` on a
-thread of the server process (torch releases the GIL in its kernels, so HTTP handling goes on while a step
-runs); `EngineCoreClient` (core/engine_core.py) runs it in a process of its own.
+On the event loop: validation and tokenization (make_requests), the queue limit, aborts. On the reader thread: the
+core's messages, detokenized by the OutputProcessor into deltas, handed to each request's stream in one wake-up per
+step. With the thread transport the reader thread is the one that steps the core (torch releases the GIL in its
+kernels, so HTTP handling goes on while a step runs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from vserve.core.engine import LLMEngine
+from vserve.core.config import EngineConfig
+from vserve.core.core_client import InprocClient, ProcClient, use_engine_process
+from vserve.core.engine_core import CoreStats, EngineStats, encode_request
+from vserve.core.output_processor import OutputProcessor, RequestState
+from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
 
@@ -100,106 +105,84 @@ def put_all(items: list[tuple[_Stream, object]], deliver: Callable[[list], None]
         loop.call_soon_threadsafe(deliver, batch)
 
 
-class StepLoop:
-    """The step loop over an LLMEngine, fed through a locked inbox; `emit` gets each step's outputs.
+class EngineView:
+    """What the event loop and metrics may read of the engine: its input processor (tokenizer, model config,
+    limits; no weights) and the counters of the core's last message."""
 
-    AsyncEngine's thread and the engine process's main thread both run it. When no request streams, the
-    engine makes outputs only for finished requests."""
+    def __init__(self, processor: InputProcessor) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.model_config = processor.model_config
+        self.max_model_len = processor.max_model_len
+        self.make_requests = processor.make_requests
+        self.update(CoreStats(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0), 0, 0, 0, 0.0, 0))
 
-    def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput], float], None], delta: bool = False,
-                 on_idle: Callable[[], None] | None = None) -> None:
-        self.engine, self.emit, self.delta, self.on_idle = engine, emit, delta, on_idle
-        self._lock = threading.Lock()
-        # Adds and aborts in arrival order: an abort and a new request reusing its id can arrive between two
-        # passes, and the abort must reach the old request only.
-        self._inbox: list[tuple[list[Request], bool] | str] = []
-        self._streaming: set[str] = set()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.num_taken = 0  # requests taken from the inbox
+    def update(self, stats: CoreStats) -> None:
+        self._stats = stats.engine
+        self.num_generated_tokens = stats.num_generated_tokens
+        self.num_computed_prompt_tokens = stats.num_computed_prompt_tokens
+        self.last_step_tokens = stats.last_step_tokens
+        self.num_taken = stats.num_taken
 
-    def add(self, children: list[Request], stream: bool) -> None:
-        with self._lock:
-            self._inbox.append((children, stream))
-        self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._inbox.append(request_id)
-        self._wake.set()
-
-    def num_pending(self) -> int:
-        """Requests added but not yet taken."""
-        with self._lock:
-            return sum(not isinstance(item, str) for item in self._inbox)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
-    def run(self) -> None:
-        """Until stop(); whatever the engine raises propagates."""
-        engine = self.engine
-        while not self._stop.is_set():
-            with self._lock:
-                inbox, self._inbox = self._inbox, []
-            for item in inbox:
-                if isinstance(item, str):  # an abort
-                    engine.abort_request(item)
-                    self._streaming.discard(item)
-                    continue
-                children, stream = item
-                self.num_taken += 1
-                engine.submit(children)
-                if stream:
-                    self._streaming.add(children[0].parent_id)
-            if not engine.has_unfinished_requests():
-                if inbox and self.on_idle is not None:
-                    self.on_idle()
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            outputs = engine.step(finished_only=not self._streaming, delta=self.delta)
-            for out in outputs:
-                if out.finished:
-                    self._streaming.discard(out.request_id)
-            self.emit(outputs, time.perf_counter() - t0)
+    def stats(self) -> EngineStats:
+        return self._stats
 
 
-class EngineClient:
-    """generate() / abort() streams over an engine that runs elsewhere (a thread, a process).
+class AsyncLLM:
+    """generate() / abort() streams over an EngineCore. With `engine_process` None the core gets its own process
+    unless TP/PP ranks are involved (core_client.use_engine_process). The engine process is started first, so this
+    process loads its tokenizer meanwhile. Bad input at start-up raises ValueError; an engine process that fails
+    otherwise, EngineStartError."""
 
-    `engine` is what the event loop may use directly: make_requests, tokenizer, model_config, max_model_len,
-    stats() and the token counters (the LLMEngine itself, or the engine process's RemoteEngine)."""
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
+                 on_step: Callable[[EngineView, int, float], None] | None = None,
+                 on_finish: Callable[[RequestOutput, list[RequestState]], None] | None = None) -> None:
+        from vserve.ops import startup
 
-    def __init__(self, engine, max_queue_len: int | None = None,
-                 on_step: Callable[[object, int, float], None] | None = None,
-                 on_finish: Callable[[RequestOutput, list[Request]], None] | None = None) -> None:
-        self.engine = engine
         self.max_queue_len = max_queue_len
         self.on_step = on_step
         self.on_finish = on_finish
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # streams and output state: the event loop and the reader thread
         self._streams: dict[str, _Stream] = {}
         self.error: BaseException | None = None
         self._reason = ""
+        self._closing = False
+        self._num_sent = 0
+        start = time.perf_counter()
+        if use_engine_process(config, serving=True):
+            self.client = ProcClient(config)
+            try:
+                processor = InputProcessor.from_config(config)
+                own = time.perf_counter() - start
+                self.client.wait_ready()
+            except BaseException:
+                self.client.kill()
+                raise
+            startup.PHASES["engine process"] = time.perf_counter() - start - own  # the wait beyond our own loading
+            self.pid = self.client.pid
+        else:
+            processor = InputProcessor.from_config(config)
+            self.client = InprocClient(config)
+            self.pid = None
+            log.info("engine loop on a thread of the server process")
+        self.engine = EngineView(processor)
+        self.output = OutputProcessor(processor.tokenizer)
+        self._reader = threading.Thread(target=self._read, name="vserve-engine", daemon=True)
 
-    # ---- what a kind of client provides -------------------------------------------------------------------
-    def _num_waiting(self) -> int:
-        raise NotImplementedError
+    def start(self) -> None:
+        self._reader.start()
 
-    def _submit(self, children: list[Request], stream: _Stream) -> None:
-        raise NotImplementedError
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        self.client.wake()
+        if self._reader.is_alive() and isinstance(self.client, InprocClient):
+            self._reader.join(timeout)  # the core steps on it: let it finish the step before the ranks stop
+        self.client.shutdown(timeout)
 
-    def _abort(self, request_id: str) -> None:
-        raise NotImplementedError
+    @property
+    def is_running(self) -> bool:
+        return self.error is None and not self._closing and self.client.is_alive()
 
-    # ---- shared -------------------------------------------------------------------------------------------
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -215,6 +198,7 @@ class EngineClient:
         for s in streams:
             s.put(self._dead())
 
+    # ---- requests (on the event loop) ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        stream: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """With `stream`, yield deltas (each output holds only the text, tokens and logprobs new since the one
@@ -225,12 +209,15 @@ class EngineClient:
         children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError for bad input
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
-            if self.max_queue_len is not None and self._num_waiting() >= self.max_queue_len:
+            num_waiting = self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
+            if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
                 raise QueueFullError(f"the queue is full ({self.max_queue_len} waiting requests)")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            self.output.add(children)
             self._streams[request_id] = s
-        self._submit(children, s)
+            self._num_sent += len(children)
+        self.client.send(("add", [encode_request(r) for r in children]))
         finished = False
         try:
             while True:
@@ -253,60 +240,45 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         with self._lock:
             known = self._streams.pop(request_id, None) is not None
-        if known:
-            self._abort(request_id)
+            ids = self.output.abort(request_id) if known else []
+        if ids:
+            self.client.send(("abort", ids))
 
-
-class AsyncEngine(EngineClient):
-    """The step loop on a thread of this process (`vserve serve --no-engine-process`, and under TP/PP)."""
-
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
-                 on_step: Callable[[LLMEngine, int, float], None] | None = None,
-                 on_finish: Callable[[RequestOutput, list[Request]], None] | None = None) -> None:
-        super().__init__(engine, max_queue_len, on_step, on_finish)
-        self.loop = StepLoop(engine, self._emit, delta=True)
-        self._thread = threading.Thread(target=self._run, name="vserve-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self.loop.stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    @property
-    def is_running(self) -> bool:
-        return self.error is None and self._thread.is_alive() and not self.loop.stopped
-
-    def _num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self.loop.num_pending()
-
-    def _submit(self, children: list[Request], stream: _Stream) -> None:
-        self.loop.add(children, not stream.final_only)
-
-    def _abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)
-
-    def _run(self) -> None:
+    # ---- the core's messages (on the reader thread) -----------------------------------------------------------
+    def _read(self) -> None:
         try:
-            self.loop.run()
-        except BaseException as e:  # the engine is dead
+            while True:
+                msg = self.client.recv()
+                if msg is None:  # shut down
+                    return
+                if msg[0] == "step":
+                    self._on_step(msg[1], msg[2])
+                elif msg[0] == "stats":
+                    self.engine.update(msg[1])
+                else:  # dead: the engine process logged the cause
+                    self._fail(RuntimeError(f"the engine process stopped: {msg[1]}"), msg[1])
+                    return
+        except BaseException as e:  # an in-process core raised: the engine is dead
             log.error("engine loop stopped: %r", e, exc_info=e)
             self._fail(e, repr(e))
 
-    def _emit(self, outputs: list[RequestOutput], seconds: float) -> None:
-        engine = self.engine
+    def _on_step(self, core_outputs: list, stats: CoreStats) -> None:
+        self.engine.update(stats)
         if self.on_step is not None:
-            self.on_step(engine, engine.last_step_tokens, seconds)
-        ready = []
-        for out in outputs:
-            with self._lock:
+            self.on_step(self.engine, stats.last_step_tokens, stats.step_seconds)
+        ready, finished = [], []
+        with self._lock:
+            outs, aborts = self.output.process(core_outputs, delta=True)
+            for out in outs:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-            if out.finished and self.on_finish is not None:
-                self.on_finish(out, engine.last_finished.get(out.request_id, []))
-            if stream is not None and (out.finished or not stream.final_only):
-                ready.append((stream, out))
+                    finished.append((out, self.output.last_finished[out.request_id]))
+                if stream is not None:
+                    ready.append((stream, out))
+        if aborts:
+            self.client.send(("abort", aborts))
         put_all(ready)
+        if self.on_finish is not None:
+            for out, states in finished:  # a finished delta lists every child's finish reason
+                self.on_finish(out, states)

@@ -32,6 +32,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: on for one CUDA GPU (overlap host work with the GPU step)
+    engine_process: bool | None = None  # the core in a process of its own; None: for a server, and on a GPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # None: from config.json's quantization_config

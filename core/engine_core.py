@@ -1,313 +1,314 @@
-"""The engine in its own process (vLLM V1's EngineCore behind AsyncLLM): the server's process only does HTTP,
-validation, tokenization and SSE; the engine process only steps.
+"""EngineCore: the engine's stepping half (vLLM V1's EngineCore): scheduler, KV cache and model runner, nothing else.
 
-Two one-way pipes of pickled builtins. Server -> engine: ("add", (children, stream)), ("abort", id),
-("shutdown", None). Engine -> server, one message per step: ("step", deltas, stats), where a delta holds only
-what is new for a request since its last one (token ids, text, logprobs, finish state), so the bytes sent grow
-with the tokens, not with their square; ("stats", stats) when aborts or adds changed the cache while idle;
-("dead", reason) when the loop raised. On the server's event loop each delta goes to its request's stream
-(core/async_engine.py `_Stream.fold`): a streaming response gets the delta, a non-streaming one the output built
-from them once.
+It takes requests as token ids and gives back, per step, each request's new token (and logprobs where asked) as a
+compact tuple; token-level stops (EOS, stop token ids, max_tokens, the context length) end a request here. Text,
+stop strings and `RequestOutput`s are the front end's (core/output_processor.py), which runs in the caller's process
+and tells the core to abort a request whose stop string it found. core/core_client.py carries the messages to and
+from a core in this process or in an engine process of its own.
 """
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
-import os
-import signal
-import sys
-import threading
+import atexit
 import time
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from vserve.core.async_engine import EngineClient, StepLoop, _Stream, put_all
+import torch
+
 from vserve.core.config import EngineConfig
-from vserve.core.engine import EngineStats
-from vserve.core.processor import InputProcessor
-from vserve.core.request import CompletionOutput, Request, RequestOutput
+from vserve.core.kv_cache import KVCacheManager
+from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
+from vserve.core.memory import GiB, plan_memory
+from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
+from vserve.core.processor import max_model_len_for
+from vserve.core.request import Request, RequestStatus
+from vserve.core.sampler import Logprob, SampledTokens
+from vserve.core.scheduler import Scheduler
+from vserve.core.worker import start_tensor_parallel
 from vserve.ops import startup
 
-log = logging.getLogger("vserve.engine")
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
 
 
 @dataclass(slots=True)
 class CoreStats:
-    """What one engine-process message says of the engine: EngineStats plus the counters metrics read."""
+    """What one engine message says of the engine: EngineStats plus the counters metrics read."""
 
     engine: EngineStats
     num_generated_tokens: int
     num_computed_prompt_tokens: int
     last_step_tokens: int
     step_seconds: float
-    num_taken: int  # requests the loop has taken from its inbox
+    num_taken: int  # requests the core has been given
 
 
-def _encode(req: Request) -> tuple:
+class CoreOutput(NamedTuple):
+    """One request's new token of one step. finish_reason is "stop" (a stop token: stop_reason is that token, or
+    None for EOS), "length", or None while it runs; the times come with the finished output."""
+
+    request_id: str
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    finish_reason: str | None
+    stop_reason: int | None
+    num_cached_tokens: int
+    first_token_time: float | None
+    scheduled_time: float | None
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the front end learns of a core once it is built."""
+
+    dtype: str
+    device: str
+    max_model_len: int
+    async_scheduling: bool
+    memory_plan: dict
+
+
+def encode_request(req: Request) -> tuple:
     return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
             req.eos_token_id, req.arrival_time, req.cache_salt)
 
 
-def _decode(t: tuple) -> Request:
+def decode_request(t: tuple) -> Request:
     rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt = t
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
                    parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt)
 
 
-# ---- the engine process -----------------------------------------------------------------------------------------
 class EngineCore:
-    """The engine process's side: commands in (a receiving thread), the StepLoop on the main thread."""
+    def __init__(self, config: EngineConfig) -> None:
+        from vserve.core.hub import resolve_model_files
 
-    def __init__(self, engine, commands, outputs) -> None:
-        self.engine, self.commands, self.outputs = engine, commands, outputs
-        self.loop = StepLoop(engine, self._emit, delta=True, on_idle=lambda: self._send(("stats", self._stats(0.0))))
-
-    def _receive(self) -> None:
+        with startup.phase("resolve model"):
+            self.config = config = resolve_model_files(config)  # hub ids -> cached snapshot paths
+            path, fmt, self.model_config = model_source(config)
+        mc = self.model_config
+        self.max_model_len = max_model_len_for(config, mc)
+        self.device = pick_device(config.device)
+        self.workers = None
+        self.failure: RuntimeError | None = None  # a lost rank: every later step raises it
+        if config.node_rank != 0:
+            raise ValueError("--node-rank > 0 runs ranks only (vserve serve/generate do that); the engine is node 0")
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.workers, self.device = start_tensor_parallel(config, mc, self.device)
+            ref = weakref.ref(self)
+            atexit.register(lambda: (e := ref()) is not None and e.shutdown())  # let the other ranks exit 0
         try:
-            while True:
-                kind, arg = self.commands.recv()
-                if kind == "add":
-                    children, stream = arg
-                    self.loop.add([_decode(c) for c in children], stream)
-                elif kind == "abort":
-                    self.loop.abort(arg)
-                else:  # shutdown
-                    break
-        except (EOFError, OSError):  # the server process is gone
-            pass
-        self.loop.stop()
+            self._init_rank0(config, path, fmt)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
 
-    def _send(self, msg) -> None:
+    def _init_rank0(self, config: EngineConfig, path, fmt: str) -> None:
+        mc = self.model_config
+        self.dtype = pick_dtype(config.dtype, mc, self.device)
+        kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, self.device)  # before loading: GPUs without fp8
+        with startup.phase("weights"):
+            self.model = build_model(mc, path, fmt, self.dtype, self.device, config.seed, config.quantization)
+
+        bs, tp = config.block_size, config.tensor_parallel_size
+        multi = tp * config.pipeline_parallel_size > 1
+        c, measured = config, {}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            measured["gpu_memory_bytes"] = total
+            if needs_activation_profile(c, self.device):
+                from vserve.core.model_runner import profile_peak_activation
+
+                measured["in_use_bytes"] = total - free
+                with startup.phase("memory profile"):
+                    measured["peak_activation_bytes"] = profile_peak_activation(
+                        self.model, mc, c.max_num_batched_tokens, self.max_model_len, c.max_num_seqs, bs,
+                        self.dtype, self.device)
+        # One planner for the engine and `vserve doctor`; here it is fed what was measured.
+        self.memory_plan = plan_memory(
+            mc, gpu_memory_bytes=measured.pop("gpu_memory_bytes", None), dtype_bytes=self.dtype.itemsize,
+            quantization=getattr(self.model, "quant_config", None),
+            tensor_parallel_size=tp, block_size=bs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
+            num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
+            kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None, **measured)
+        self.memory_plan.check()
+        num_blocks = self.memory_plan.num_blocks
+        if self.workers is not None:
+            from vserve.core.distributed import broadcast_object
+
+            broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len})
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill)
+        # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
+        self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype)
+        self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self.in_flight: tuple[list[Request], SampledTokens | None] | None = None  # launched, not yet processed
+        self.requests: dict[str, Request] = {}
+        self.num_taken = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (cache hits excluded)
+        self.last_step_tokens = 0  # tokens computed by the last step
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(str(self.dtype).removeprefix("torch."), str(self.device), self.max_model_len,
+                        self.async_scheduling, self.memory_plan.as_dict())
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.seed is not None and req.generator is None:
+            req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+        self.num_taken += 1
+        self.num_prompt_tokens += req.num_prompt_tokens
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests (unknown or finished ones are skipped): their blocks go back to the pool."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None and not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self.runner.sampler.release(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """schedule -> run -> sample -> append and check token stops -> each sampling request's new token.
+
+        With async scheduling the step is launched and the previous step's tokens are processed while it runs,
+        so the host's work overlaps the device's; a step's tokens come back from the next call. A request that
+        stopped in the step before may have been scheduled once more: that token is dropped."""
+        if self.failure is not None:
+            raise self.failure
+        outs: list[CoreOutput] = []
+        if self.in_flight is not None and not self._can_overlap():
+            outs += self._process(self.in_flight)
+            self.in_flight = None
+        sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.total_tokens
+        if sched.is_empty():
+            if self.in_flight is None and not outs:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
+                return []
+            launched = None
+        else:
+            launched = self._launch(sched)
+        prev, self.in_flight = self.in_flight, launched
+        if prev is not None:
+            outs += self._process(prev)
+        if not self.async_scheduling and self.in_flight is not None:
+            outs += self._process(self.in_flight)
+            self.in_flight = None
+        return outs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is processed. Penalties, min_tokens,
+        logit bias and logprobs need nothing the host lacks (the sampler keeps their state on the device)."""
+        return self.async_scheduling
+
+    def _launch(self, sched) -> tuple[list[Request], SampledTokens | None]:
+        block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
+        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
+            self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
         try:
-            self.outputs.send(msg)
-        except OSError:  # the server process is gone: nobody to serve
-            self.loop.stop()
+            reqs, sampled = self.runner.launch(sched, block_ids)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            self.failure = self.workers.failure(e)
+            self.shutdown(graceful=False)
+            raise self.failure from e
+        self.scheduler.update_after_step(sched)
+        for req in reqs:
+            req.num_pending += 1
+        return reqs, sampled
 
-    def _stats(self, seconds: float) -> CoreStats:
-        e = self.engine
-        return CoreStats(e.stats(), e.num_generated_tokens, e.num_computed_prompt_tokens,
-                         e.last_step_tokens, seconds, self.loop.num_taken)
+    def _process(self, launched: tuple[list[Request], SampledTokens | None]) -> list[CoreOutput]:
+        """Append a launched step's tokens (waiting for them) and check the token stops."""
+        reqs, sampled = launched
+        if sampled is None:
+            return []
+        out = sampled.resolve()
+        now = time.monotonic()
+        outs = []
+        for req, token, lp in zip(reqs, out.token_ids, out.logprobs):
+            req.num_pending -= 1
+            if req.status.finished:  # stopped by the step before, or aborted, while this one ran
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(token)
+            self.num_generated_tokens += 1
+            status = self._check_stop(req, token)
+            if status is None:
+                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None))
+                continue
+            self.scheduler.finish(req, status)
+            self.runner.sampler.release(req.request_id)
+            del self.requests[req.request_id]
+            outs.append(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
+                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time))
+        return outs
 
-    def _emit(self, outputs: list[RequestOutput], seconds: float) -> None:
-        finished = self.engine.last_finished
-        deltas = []
-        for out in outputs:
-            times = [(r.first_token_time, r.scheduled_time) for r in finished[out.request_id]] \
-                if out.finished else None
-            deltas.append((out.request_id, out.num_cached_tokens, times,
-                           [(c.index, c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason,
-                             c.stop_reason) for c in out.outputs]))
-        self._send(("step", deltas, self._stats(seconds)))
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if token in sp.all_stop_token_ids and req.num_output_tokens >= sp.min_tokens:
+            req.stop_reason = None if token == req.eos_token_id else token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
-    def run(self) -> int:
-        threading.Thread(target=self._receive, name="vserve-engine-commands", daemon=True).start()
-        try:
-            self.loop.run()
-            return 0
-        except BaseException as e:  # the engine is dead
-            log.error("engine loop stopped: %r", e, exc_info=e)
-            self._send(("dead", repr(e)))
-            return 1
-        finally:
-            self.engine.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (a no-op for one process)."""
+        workers, self.workers = getattr(self, "workers", None), None
+        if workers is None:
+            return
+        from vserve.core import distributed
 
-
-def run_engine_core(config: EngineConfig, commands, outputs) -> None:
-    """The engine process's entry point: build the engine, say ("ready", pid, start-up report) or ("failed", kind,
-    message), then step until told to stop or the server is gone."""
-    # The server decides when the engine stops (after draining): a Ctrl-C or SIGTERM sent to the whole group
-    # must not kill the engine under in-flight requests. A server that dies closes the pipe, which stops us.
-    startup.mark_imports()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    from vserve.core.engine import LLMEngine
-
-    try:
-        # On the CPU the engine keeps torch's thread count (every core, or OMP_NUM_THREADS): the server's process is
-        # mostly idle while the engine steps. Leaving it a core cost a third of the throughput on 2 cores
-        # (SmolLM2 fp32, 32 streams of 256 tokens: 106 output tok/s with one thread, 129 and 148 with two,
-        # against 135-149 offline; docs/performance.md).
-        engine = LLMEngine(config)
-    except ValueError as e:  # bad input (a model that does not fit, ...): the server says it in one line
-        outputs.send(("failed", "ValueError", str(e)))
-        return
-    except BaseException as e:
-        log.error("the engine failed to start: %r", e, exc_info=e)
-        outputs.send(("failed", type(e).__name__, str(e)))
-        return
-    outputs.send(("ready", os.getpid(), startup.report()))
-    sys.exit(EngineCore(engine, commands, outputs).run())
-
-
-# ---- the server process -----------------------------------------------------------------------------------------
-class EngineStartError(RuntimeError):
-    """The engine process failed to start on something other than bad input (its log has the traceback)."""
-
-
-class RemoteEngine:
-    """The server's view of the engine in the other process: its input processor (tokenizer, model config,
-    limits; no weights) and the counters of the engine's last message, for metrics and the queue limit."""
-
-    def __init__(self, processor: InputProcessor) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.model_config = processor.model_config
-        self.max_model_len = processor.max_model_len
-        self.make_requests = processor.make_requests
-        self.update(CoreStats(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0), 0, 0, 0, 0.0, 0))
-
-    def update(self, stats: CoreStats) -> None:
-        self._stats = stats.engine
-        self.num_generated_tokens = stats.num_generated_tokens
-        self.num_computed_prompt_tokens = stats.num_computed_prompt_tokens
-        self.last_step_tokens = stats.last_step_tokens
-        self.num_taken = stats.num_taken
+        if graceful:
+            try:
+                distributed.broadcast_object(None)
+            except Exception:  # a rank already gone: nothing to tell it
+                graceful = False
+        workers.shutdown(timeout_s=10.0 if graceful else 0.0)
+        distributed.destroy_distributed()
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.kv.num_free_blocks(),
+            num_blocks=self.kv.pool.num_blocks,
+        )
 
-
-class EngineCoreClient(EngineClient):
-    """AsyncEngine's surface over an engine process: starts it (`spawn`: CUDA-safe), loads the tokenizer meanwhile,
-    and waits until the model is loaded; bad input at start-up comes back as the ValueError LLMEngine raises
-    in-process, anything else as EngineStartError."""
-
-    def __init__(self, config: EngineConfig, max_queue_len: int | None = None, on_step=None,
-                 on_finish=None) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._commands = ctx.Pipe(duplex=False)
-        self._outputs, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, args=(config, cmd_recv, out_send), name="vserve-engine",
-                                 daemon=True)  # daemon: ended at this process's exit, whatever happens
-        self._send_lock = threading.Lock()
-        self._num_sent = 0
-        self._closing = False
-        start = time.perf_counter()
-        # The engine process first: it imports torch and loads the weights while this process loads the tokenizer.
-        self._proc.start()
-        cmd_recv.close()  # ours closed, so the pipes report EOF when the other side dies
-        out_send.close()
-        try:
-            super().__init__(RemoteEngine(InputProcessor.from_config(config)), max_queue_len, on_step, on_finish)
-            own = time.perf_counter() - start
-            self._wait_ready()
-        except BaseException:
-            self._kill()
-            raise
-        startup.PHASES["engine process"] = time.perf_counter() - start - own  # the wait beyond our own loading
-        self.pid = self._proc.pid
-        log.info("engine process started (pid %d)", self.pid)
-        self._reader = threading.Thread(target=self._read, name="vserve-engine-outputs", daemon=True)
-
-    def _wait_ready(self) -> None:
-        """Until the engine is built (loading a large model takes minutes) or its process fails."""
-        msg = None
-        while msg is None:
-            if self._outputs.poll(0.2):
-                try:
-                    msg = self._outputs.recv()
-                except EOFError:
-                    break
-            elif not self._proc.is_alive():
-                break
-        if msg is None:
-            self._proc.join(5)
-            raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while starting")
-        if msg[0] == "ready":
-            startup.CHILD.update(msg[2])
-        if msg[0] == "failed":
-            self._proc.join(5)
-            if msg[1] == "ValueError":
-                raise ValueError(msg[2])
-            raise EngineStartError(f"the engine process failed to start: {msg[1]}: {msg[2]}")
-
-    def start(self) -> None:
-        self._reader.start()
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Tell the engine process to stop; kill it if it has not after `timeout` seconds."""
-        self._closing = True
-        self._send(("shutdown", None))
-        self._proc.join(timeout)
-        self._kill()
-        self._commands.close()
-
-    def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-
-    @property
-    def is_running(self) -> bool:
-        return self.error is None and not self._closing and self._proc.is_alive()
-
-    def _send(self, msg) -> None:
-        try:
-            with self._send_lock:
-                self._commands.send(msg)
-        except OSError:  # the engine process is gone: the reader reports it
-            pass
-
-    # ---- EngineClient ---------------------------------------------------------------------------------------
-    def _num_waiting(self) -> int:
-        return self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
-
-    def _submit(self, children: list[Request], stream: _Stream) -> None:
-        self._num_sent += 1
-        self._send(("add", ([_encode(r) for r in children], not stream.final_only)))
-
-    def _abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    # ---- the engine's messages ------------------------------------------------------------------------------
-    def _read(self) -> None:
-        """The reader thread: the engine's messages, in order, until it stops or dies."""
-        try:
-            while True:
-                msg = self._outputs.recv()
-                if msg[0] == "step":
-                    self._on_step(msg[1], msg[2])
-                elif msg[0] == "stats":
-                    self.engine.update(msg[1])
-                else:  # dead: the engine process logged the cause
-                    self._fail(RuntimeError(f"the engine process stopped: {msg[1]}"), msg[1])
-                    return
-        except (EOFError, OSError):
-            pass
-        if not self._closing:
-            self._proc.join(2)
-            reason = f"the engine process died (exit code {self._proc.exitcode})"
-            log.error("%s", reason)
-            self._fail(RuntimeError(reason), reason)
-
-    def _on_step(self, deltas: list[tuple], stats: CoreStats) -> None:
-        self.engine.update(stats)
-        if self.on_step is not None:
-            self.on_step(self.engine, stats.last_step_tokens, stats.step_seconds)
-        ready = []
-        with self._lock:
-            for d in deltas:
-                stream = self._streams.get(d[0])
-                if stream is None:  # aborted meanwhile
-                    continue
-                if d[2] is not None:
-                    del self._streams[d[0]]
-                ready.append((stream, d))
-        put_all(ready, self._apply)
-
-    def _apply(self, batch: list[tuple[_Stream, tuple]]) -> None:
-        """On the stream's event loop: each message's delta to its stream (which folds it into the request's
-        output and wakes its consumer)."""
-        for stream, (request_id, num_cached, times, comps) in batch:
-            out = stream.output
-            delta = RequestOutput(request_id, out.prompt, out.prompt_token_ids,
-                                  [CompletionOutput(index, text, token_ids, cum_lp, lps, finish_reason, stop_reason)
-                                   for index, token_ids, text, lps, cum_lp, finish_reason, stop_reason in comps],
-                                  times is not None, num_cached)
-            stream.fold(delta)
-            if times is not None and self.on_finish is not None:
-                for req, comp, (first_token_time, scheduled_time) in zip(stream.children, out.outputs, times):
-                    req.first_token_time, req.scheduled_time = first_token_time, scheduled_time
-                    req.output_token_ids = comp.token_ids
-                self.on_finish(out, stream.children)
+    def core_stats(self, seconds: float) -> CoreStats:
+        return CoreStats(self.stats(), self.num_generated_tokens, self.num_computed_prompt_tokens,
+                         self.last_step_tokens, seconds, self.num_taken)

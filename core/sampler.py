@@ -5,6 +5,12 @@ tokens (positive logits divided, negative multiplied), frequency and presence pe
 tokens, then greedy argmax (temperature 0) or temperature, top_k, top_p, min_p and an inverse-CDF draw. A request with
 a seed draws from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the log-softmax of the raw model logits (before any processing).
+
+Every kind of work runs once for the whole batch on the logits' device: the penalties read per-request token counts
+kept on the device (TokenCounts, updated with each step's sampled tokens), logprobs are gathered for all the rows
+that want them and copied back with the tokens. So a request with penalties or logprobs needs nothing from the host
+that the step in flight has not yet delivered, and async scheduling stays on. `apply_penalties` is the per-row
+reference of `apply_penalties_batched`.
 """
 
 from __future__ import annotations
@@ -32,22 +38,108 @@ class SamplerOutput:
 
 @dataclass
 class SampledTokens:
-    """A step's sampled tokens still on the device. On CUDA their copy to pinned host memory is queued right
-    behind the sampling kernels, so resolve() waits for this step only, not for a step launched after it."""
+    """A step's sampled tokens (and the logprob rows' chosen logprob, rank and top-N) still on the device. On CUDA
+    their copy to pinned host memory is queued right behind the sampling kernels, so resolve() waits for this step
+    only, not for a step launched after it: a step with logprobs keeps async scheduling on."""
 
     tokens: torch.Tensor  # [rows] on the logits' device
-    raw_logprobs: torch.Tensor | None
     params: list
-    host: torch.Tensor | None = None
+    lp_rows: list[int]  # the rows that want logprobs
+    lp: tuple[torch.Tensor, ...] = ()  # (chosen logprob, rank, top-N values, top-N ids) of those rows
+    host: tuple[torch.Tensor, ...] | None = None
     event: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        tensors = (self.tokens, *self.lp)
+        self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(self.host, tensors):
+            h.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
 
     def resolve(self) -> SamplerOutput:
         if self.event is not None:
             self.event.synchronize()
-            token_ids = self.host.tolist()
-        else:
-            token_ids = self.tokens.tolist()
-        return SamplerOutput(token_ids, Sampler._logprobs(self.raw_logprobs, token_ids, self.params))
+        tokens, *lp = self.host if self.host is not None else (self.tokens, *self.lp)
+        token_ids = tokens.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        if self.lp_rows:
+            chosen, rank, top_vals, top_ids = (t.tolist() for t in lp)
+            for j, i in enumerate(self.lp_rows):
+                tok = token_ids[i]
+                entry = {tok: Logprob(chosen[j], rank[j])}
+                for r in range(self.params[i].logprobs):
+                    if top_ids[j][r] != tok:
+                        entry[top_ids[j][r]] = Logprob(top_vals[j][r], r + 1)
+                logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+
+def batched_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                     params: list) -> tuple[torch.Tensor, ...]:
+    """For `rows`: (the sampled token's log-softmax, its rank (1 = most likely), the top-N log-softmax values and
+    ids with N the largest asked), from the raw logits, as device tensors: nothing is read back here."""
+    idx = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
+    raw = (logits if idx is None else logits.index_select(0, idx)).log_softmax(-1)
+    chosen = raw.gather(1, (tokens if idx is None else tokens.index_select(0, idx)).unsqueeze(1))
+    rank = (raw > chosen).sum(-1) + 1
+    k = max(params[i].logprobs for i in rows)
+    vals, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+    return chosen.squeeze(1), rank, vals, ids
+
+
+class TokenCounts:
+    """Per-request device rows for the repetition, frequency and presence penalties: each output token's count and
+    a mask of the prompt's tokens. The sampler adds each step's sampled tokens on the device, so the next step
+    sees the token still in flight (async scheduling stays on) without reading anything back."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+        self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.rows: dict[str, int] = {}  # request id -> its row
+        self.num_counted: dict[str, int] = {}  # request id -> output tokens its row holds
+        self.free: list[int] = []
+
+    def row_of(self, req: Request) -> int:
+        """The request's row, (re)built from its host token lists when they are not what the row holds."""
+        rid = req.request_id
+        row = self.rows.get(rid)
+        known = req.num_output_tokens + req.num_pending
+        if row is not None and self.num_counted[rid] == known:
+            return row
+        if row is None:
+            if not self.free:
+                self._grow()
+            row = self.rows[rid] = self.free.pop()
+        # New, or counted tokens that were not sampled here (set by hand): the host lists are complete then.
+        self.counts[row].zero_()
+        self.prompt[row].zero_()
+        self.prompt[row, torch.tensor(req.prompt_token_ids, device=self.device)] = True
+        if req.output_token_ids:
+            out = torch.tensor(req.output_token_ids, device=self.device)
+            self.counts[row] = torch.bincount(out, minlength=self.vocab)[:self.vocab].to(torch.int32)
+        self.num_counted[rid] = req.num_output_tokens
+        return row
+
+    def _grow(self) -> None:
+        n = self.counts.shape[0]
+        m = max(8, 2 * n)
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(m - n, self.vocab)])
+        self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(m - n, self.vocab)])
+        self.free += range(m - 1, n - 1, -1)
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor, request_ids: list[str]) -> None:
+        """Count one sampled token per row (on the device)."""
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        for rid in request_ids:
+            self.num_counted[rid] += 1
+
+    def release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            del self.num_counted[request_id]
+            self.free.append(row)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -72,6 +164,51 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
             counts = torch.bincount(out, minlength=V)[:V].to(row.dtype)
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def apply_penalties_batched(logits: torch.Tensor, reqs: list[Request], counts: TokenCounts,
+                            column) -> tuple[torch.Tensor, list[int], list[str]] | None:
+    """apply_penalties with each kind of work done once for the whole batch: logit_bias and min_tokens as one
+    scatter each, the penalties over the TokenCounts rows of the requests that have them. min_tokens counts the
+    token in flight (num_pending). Returns what to count after sampling: (the penalty rows' TokenCounts rows, their
+    batch rows, their request ids), or None."""
+    rows = [i for i, r in enumerate(reqs) if r.sampling_params.needs_logit_processing]
+    bias_r, bias_t, bias_v, min_r, min_t, pen = [], [], [], [], [], []
+    for i in rows:
+        req = reqs[i]
+        sp = req.sampling_params
+        for t, v in (sp.logit_bias or {}).items():
+            bias_r.append(i)
+            bias_t.append(t)
+            bias_v.append(v)
+        if req.num_output_tokens + req.num_pending < sp.min_tokens:
+            for t in sp.all_stop_token_ids:
+                min_r.append(i)
+                min_t.append(t)
+        if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+            pen.append(i)
+    dev, dtype = logits.device, logits.dtype
+    if bias_r:
+        logits.index_put_((column(bias_r, dev, torch.long), column(bias_t, dev, torch.long)),
+                          column(bias_v, dev, dtype), accumulate=True)
+    if min_r:
+        logits[column(min_r, dev, torch.long), column(min_t, dev, torch.long)] = float("-inf")
+    if not pen:
+        return None
+    sps = [reqs[i].sampling_params for i in pen]
+    slots = column([counts.row_of(reqs[i]) for i in pen], dev, torch.long)
+    batch_rows = column(pen, dev, torch.long)
+    sub = logits.index_select(0, batch_rows)
+    c = counts.counts.index_select(0, slots)
+    rp = column([sp.repetition_penalty for sp in sps], dev, dtype).unsqueeze(1)
+    seen = counts.prompt.index_select(0, slots) | (c > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    cf = c.to(dtype)
+    fp = column([sp.frequency_penalty for sp in sps], dev, dtype).unsqueeze(1)
+    pp = column([sp.presence_penalty for sp in sps], dev, dtype).unsqueeze(1)
+    sub -= fp * cf + pp * (cf > 0).to(dtype)
+    logits.index_copy_(0, batch_rows, sub)
+    return slots, pen, [reqs[i].request_id for i in pen]
 
 
 def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -110,6 +247,12 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator: torch.Generator | None = None
         self.seed = seed
+        self.counts: TokenCounts | None = None  # made at the first request with a penalty
+
+    def release(self, request_id: str) -> None:
+        """A finished request's penalty state goes back to the pool."""
+        if self.counts is not None:
+            self.counts.release(request_id)
 
     def _global_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -130,10 +273,13 @@ class Sampler:
         """Launch the sampling of one step; nothing waits for the device."""
         params = [r.sampling_params for r in reqs]
         dev = logits.device
-        raw_logprobs = logits.log_softmax(-1) if any(sp.logprobs is not None for sp in params) else None
+        raw = logits
+        counted = None
         if any(sp.needs_logit_processing for sp in params):
             logits = logits.clone()
-            apply_penalties(logits, reqs)
+            if self.counts is None or self.counts.vocab != logits.shape[1] or self.counts.device != dev:
+                self.counts = TokenCounts(logits.shape[1], dev)
+            counted = apply_penalties_batched(logits, reqs, self.counts, self._column)
 
         greedy = [sp.greedy for sp in params]
         if all(greedy):
@@ -170,32 +316,11 @@ class Sampler:
             tokens = for_device(scaled).sample_from_logits(scaled, u)
             if any(greedy):
                 tokens = torch.where(self._column(greedy, dev, torch.bool), logits.argmax(dim=-1), tokens)
-        out = SampledTokens(tokens, raw_logprobs, params)
+        if counted is not None:
+            slots, rows, ids = counted
+            self.counts.add(slots, tokens.index_select(0, self._column(rows, dev, torch.long)), ids)
+        lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        out = SampledTokens(tokens, params, lp_rows, batched_logprobs(raw, tokens, lp_rows, params) if lp_rows else ())
         if dev.type == "cuda":
-            out.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            out.host.copy_(tokens, non_blocking=True)
-            out.event = torch.cuda.Event()
-            out.event.record()
-        return out
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor | None, token_ids: list[int], params) -> list:
-        if raw is None:
-            return [None] * len(token_ids)
-        out = []
-        for i, sp in enumerate(params):
-            if sp.logprobs is None:
-                out.append(None)
-                continue
-            row = raw[i]
-            chosen = token_ids[i]
-            chosen_lp = row[chosen]
-            rank = int((row > chosen_lp).sum()) + 1
-            entry = {chosen: Logprob(float(chosen_lp), rank)}
-            if sp.logprobs:
-                vals, idx = row.topk(sp.logprobs)
-                for r, (v, t) in enumerate(zip(vals.tolist(), idx.tolist())):
-                    if t != chosen:
-                        entry[t] = Logprob(v, r + 1)
-            out.append(entry)
+            out.copy_to_host()
         return out

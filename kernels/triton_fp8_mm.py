@@ -7,8 +7,8 @@ output tile to finish (an atomic arrival count) sums the fp32 partials in split 
 the per-token and per-channel scales. Semantics of kernels/scaled_mm.fp8_mm_ref (products exact, scaled in fp32,
 rounded to the output dtype), except that on sm_90 the tensor cores' FP8 accumulation is not a full fp32 sum (as
 cuBLAS's fast accumulation, which the engine's bf16 FP8 GEMMs use): on an H200 the error against the fp32 sum was
-0.44-0.63% of the output's largest value, 0.96-1.02% with one split at K = 14336 (benchmarks/h200_quant.py
---sections fp8_splitk).
+0.44-0.63% of the output's largest value, 0.96-1.02% with one split at K = 14336 (docs/performance.md;
+benchmarks/kernels/w8a8.py checks each launch against the reference).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from vserve.kernels.scaled_mm import _capability
 # Programmatic dependent launch (Hopper and later): RMSNorm, SiLU-and-mul, RoPE, the KV store, decode attention
 # and the AWQ GEMV let the next kernel's programs be scheduled while they run, and each waits for its predecessor's
 # results (griddepcontrol.wait) before touching memory: in a CUDA graph of batch-1 decode the programs of a kernel
-# are then resident when the one before it ends (H200, batch-1 decode: +3.7% AWQ, +1.2% bf16, h200_quant.py
-# --sections pdl). VSERVE_DISABLE_PDL=1 launches them as before.
+# are then resident when the one before it ends (H200, batch-1 decode: +3.7% AWQ, +1.2% bf16, docs/performance.md).
+# VSERVE_DISABLE_PDL=1 launches them as before.
 PDL = True
 
 

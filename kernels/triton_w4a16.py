@@ -31,17 +31,19 @@ import triton.language as tl
 
 from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch
 
-# From this many rows on, dequantize + cuBLAS beats the fused kernels (H200, h200_quant.py --sections w4_dequant:
-# qkv, o_proj and down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile
-# kernel ahead up to 64 rows)
+# The tuned defaults of w4a16_gemm's keywords (docs/performance.md has the H200 runs; benchmarks/kernels/w4a16.py
+# times the kernels with other values passed as those keywords).
+# From this many rows on, dequantize + cuBLAS beats the fused kernels (dequant_m; H200, cold L2: qkv, o_proj and
+# down_proj from 24 rows; gate_up, N = 28672, not before 96, its many column tiles keeping the tile kernel ahead up to
+# 64 rows)
 DEQUANT_M, DEQUANT_M_WIDE, WIDE_N = 24, 96, 16384
-AWQ_FIXUP_UNROLL = 8  # the last program's loads of the K-split partials issued this many at a time
-# AWQ rows through _awq_gemv_kernel (the weight's codes decoded once for up to AWQ_GEMV_ROWS rows a launch); more rows
-# take the tile kernel. H200 (h200_quant.py --sections awq_rows, awq_rows_e2e2): at 2 rows the GEMV beats bf16 cuBLAS
-# per GEMM; from 3 its per-row x conversions and fp16 FMAs cost more than the tile kernel's tensor-core dot (batch-3
-# decode the same either way, at 4 rows 1.6-2.4x slower per GEMM)
+AWQ_FIXUP_UNROLL = 8  # fixup_unroll: the last program's loads of the K-split partials issued this many at a time
+# AWQ rows through _awq_gemv_kernel (gemv_m; the weight's codes decoded once for up to AWQ_GEMV_ROWS rows a launch);
+# more rows take the tile kernel. H200: at 2 rows the GEMV beats bf16 cuBLAS per GEMM; from 3 its per-row x
+# conversions and fp16 FMAs cost more than the tile kernel's tensor-core dot (batch-3 decode the same either way, at
+# 4 rows 1.6-2.4x slower per GEMM)
 AWQ_GEMV_M, AWQ_GEMV_ROWS = 2, 8
-AWQ_EXACT = True  # the tile kernel's AWQ path: x times the exact codes minus zeros, then the group's scales
+AWQ_EXACT = True  # exact: the tile kernel's AWQ path, x times the exact codes minus zeros, then the group's scales
 _DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
 _OUTGROWN: list[torch.Tensor] = []
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
@@ -511,22 +513,22 @@ def _args(qweight, scales, qzeros, g_idx, layout, bits, group_size, K, block_k):
             block_k)
 
 
-def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> dict:
+def _config(M: int, N: int, K: int, device: torch.device, layout: str = "", gemv_m: int = AWQ_GEMV_M) -> dict:
     """Launch parameters by rows: small M splits K to fill the GPU; larger M uses bigger row tiles."""
     sms = _num_sms(device.index) if device.type == "cuda" else 4
     if M == 1 and layout == "awq":  # _awq_gemv_kernel: the H200's best, cold L2, with programmatic dependent launch
-        # (h200_quant.py --sections awq_gemv_pdl): wide outputs 512 columns a program and 4 warps, the others 256 and
+        # (benchmarks/kernels/w4a16.py --grid): wide outputs 512 columns a program and 4 warps, the others 256 and
         # 8 warps, K split in 16 (in 32 for the long K of down_proj); num_stages 1: plain loads, no software pipeline
         if N >= 16384:
             bn, warps, split = 512, 4, 16
         else:
             bn, warps, split = 256, 8, 32 if K > 8192 else 16
         return dict(block_m=1, block_n=bn, block_k=16, split_k=split, num_warps=warps, num_stages=1)
-    if layout == "awq" and M <= AWQ_GEMV_M:  # _awq_gemv_kernel for a few rows (h200_quant.py --sections awq_rows)
+    if layout == "awq" and M <= gemv_m:  # _awq_gemv_kernel for a few rows (benchmarks/kernels/w4a16.py --grid)
         return dict(block_m=1, block_n=256, block_k=16, split_k=16 if K > 8192 else 8, num_warps=8, num_stages=1)
-    if layout == "awq" and M <= 16:  # the tile kernel's exact AWQ path: the best of awq_rows's grid at 2-16 rows
+    if layout == "awq" and M <= 16:  # the tile kernel's exact AWQ path: the best of a launch grid at 2-16 rows
         return dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=2)
-    if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (benchmarks/h200_quant.py sweep)
+    if M == 1:  # the GEMV kernel: many K-splits keep enough loads in flight (a launch grid on the H200)
         bn = 256 if N >= 16384 else 128
         bk, split = 32 if bn == 256 else 128, 1
         while split < 16 and K // (bk * split * 2) >= 2:
@@ -548,7 +550,7 @@ def _config(M: int, N: int, K: int, device: torch.device, layout: str = "") -> d
     return dict(block_m=bm, block_n=128, block_k=64, split_k=1, num_warps=8 if bm == 128 else 4, num_stages=3)
 
 
-def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
+def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup, fixup_unroll):
     """Launch _awq_gemv_kernel for the rows of x [M, K] (M <= AWQ_GEMV_ROWS): block_n columns (8 per word) per
     program, block_k loads of num_warps rows per K-tile; K split into whole groups, or into whole tiles inside a
     group."""
@@ -579,7 +581,7 @@ def _awq_gemv(x, qw, s, z, out, N, K, group_size, cfg, fixup):
                             x.stride(0), qw.stride(0), s2.stride(0), z.stride(0), part.stride(0) if not direct else 0,
                             DIRECT=direct, FIXUP=use_fixup, EVEN=(N // 8) % bw == 0 and K % tile == 0,
                             MB=triton.next_power_of_2(M), BLOCK_W=bw, BLOCK_K=bk, ROWS=rows, STAGES=cfg["num_stages"],
-                            FIXUP_UNROLL=AWQ_FIXUP_UNROLL, ASM=_ptx(), num_warps=cfg["num_warps"], num_stages=1,
+                            FIXUP_UNROLL=fixup_unroll, ASM=_ptx(), num_warps=cfg["num_warps"], num_stages=1,
                             **pdl_launch(dev))
     if not direct and not use_fixup:
         torch.sum(part, 0, out=out.view(M, N))
@@ -626,11 +628,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                g_idx: torch.Tensor | None, layout: str, bits: int, group_size: int, *, block_m: int | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, dequant_m: int | None = None,
-               out: torch.Tensor | None = None, fixup: bool = True) -> torch.Tensor:
-    """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters and the
-    rows from which the weight is dequantized for cuBLAS (DEQUANT_M); out: a contiguous [..., N] buffer to write
-    into; fixup=False: the AWQ GEMV and the tile kernel sum their K-split partials in a second kernel instead of in
-    their last program per output block."""
+               gemv_m: int = AWQ_GEMV_M, exact: bool = AWQ_EXACT, out: torch.Tensor | None = None,
+               fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL) -> torch.Tensor:
+    """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters, the rows
+    from which the weight is dequantized for cuBLAS (dequant_m; default DEQUANT_M, DEQUANT_M_WIDE for N >= WIDE_N),
+    the most AWQ rows that take the GEMV (gemv_m), and whether the tile kernel's AWQ path dots the exact codes
+    (exact); out: a contiguous [..., N] buffer to write into; fixup=False: the AWQ GEMV and the tile kernel sum
+    their K-split partials in a second kernel instead of in their last program per output block, which loads them
+    fixup_unroll at a time (the AWQ GEMV)."""
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
     x2 = x.reshape(-1, K)
@@ -653,17 +658,17 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     # dequantized to fp16), not for fp32 ones, which take the other kernels (and their launch parameters); AWQ's
     # scales are fp16 (the kernel reads them as pairs)
     awq16 = layout == "awq" and bits == 4 and x.dtype != torch.float32 and scales.dtype == torch.float16
-    cfg = _config(M, N, K, x.device, layout if awq16 else "")
+    cfg = _config(M, N, K, x.device, layout if awq16 else "", gemv_m)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
     qw, s, z, g, gs, sqk, sqn, ssg, ssn, szg, has_g, bk = _args(qweight, scales, qzeros, g_idx, layout, bits,
                                                                 group_size, K, cfg["block_k"])
-    if awq16 and M <= AWQ_GEMV_M and cfg["block_m"] == 1 and not has_g:  # launches of <= AWQ_GEMV_ROWS rows, even
+    if awq16 and M <= gemv_m and cfg["block_m"] == 1 and not has_g:  # launches of <= AWQ_GEMV_ROWS rows, even
         rows = triton.cdiv(M, triton.cdiv(M, AWQ_GEMV_ROWS))
         o2 = out.view(M, N)
         for i in range(0, M, rows):
-            _awq_gemv(x2[i:i + rows], qw, s, z, o2[i:i + rows], N, K, gs, cfg, fixup)
+            _awq_gemv(x2[i:i + rows], qw, s, z, o2[i:i + rows], N, K, gs, cfg, fixup, fixup_unroll)
         return out
     gemv = cfg["block_m"] == 1 and M == 1 and layout in ("gptq", "pack") and not has_g
     split = max(1, min(cfg["split_k"], triton.cdiv(K, bk)))
@@ -679,7 +684,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     else:
         block_m = max(16, cfg["block_m"])  # the dot needs 16 rows (a one-row launch without a GEMV path)
         # AWQ with contiguous groups and 16-bit rows: dot with the exact codes minus zeros, scales after it
-        exact = layout == "awq" and bits == 4 and not has_g and x.dtype != torch.float32 and AWQ_EXACT
+        exact = layout == "awq" and bits == 4 and not has_g and x.dtype != torch.float32 and exact
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg["block_n"]), split)
         # split partials summed by the last program of each output tile (fixup) or by a second kernel
         counts = arrival_counts(x.device, grid[0] * grid[1]) if fixup and split > 1 else None

@@ -22,7 +22,7 @@ def _outputs(llm, prompts, params):
 def _pair(folder, **kw):
     sync = LLM(folder, dtype="float32", device="cpu", async_scheduling=False, **kw)
     overlap = LLM(folder, dtype="float32", device="cpu", async_scheduling=True, **kw)
-    assert overlap.llm_engine.async_scheduling and not sync.llm_engine.async_scheduling
+    assert overlap.llm_engine.info.async_scheduling and not sync.llm_engine.info.async_scheduling
     return sync, overlap
 
 
@@ -59,9 +59,9 @@ def test_async_matches_sync_greedy_sampled_and_stops(tiny_model, kw):
     _assert_clean(overlap)
 
 
-def test_penalties_and_logprobs_fall_back_to_sync_steps(tiny_model):
-    """Requests whose sampling reads their own latest token (penalties, min_tokens) or that want logprobs
-    make the engine process each step before scheduling the next: same results as sync."""
+def test_penalties_and_logprobs_keep_async_steps_with_sync_results(tiny_model):
+    """Requests whose sampling reads their own latest token (penalties, min_tokens) or that want logprobs keep
+    async scheduling on (the sampler's token counts hold the token in flight): same results as sync."""
     folder = str(tiny_model("llama"))
     sync, overlap = _pair(folder)
     prompts = _prompts(4, 10, 40, 4)
@@ -70,6 +70,16 @@ def test_penalties_and_logprobs_fall_back_to_sync_steps(tiny_model):
               SamplingParams(temperature=0, max_tokens=16, min_tokens=8, logprobs=2),
               SamplingParams(temperature=0, max_tokens=16, frequency_penalty=1.0, presence_penalty=0.5,
                              ignore_eos=True)]
+    engine = overlap.llm_engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    overlapped = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        overlapped += engine.core.in_flight is not None  # a step is on the device while this one returned
+    assert overlapped >= 16
+    while engine.core.in_flight is not None and engine.step():
+        pass
     got = overlap.generate(prompts, params, use_tqdm=False)
     want = sync.generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want):
@@ -96,9 +106,9 @@ def test_abort_while_a_step_is_in_flight(tiny_model):
             done[out.request_id] = out.outputs[0].token_ids
         steps += 1
         if steps == 5:
-            assert engine.in_flight is not None  # a step is on the device while this one returned
+            assert engine.core.in_flight is not None  # a step is on the device while this one returned
             engine.abort_request("1")
-    while engine.in_flight is not None and engine.step():  # drain the last launch
+    while engine.core.in_flight is not None and engine.step():  # drain the last launch
         pass
     assert "1" not in done
     assert done == {k: v for k, v in want.items() if k != "1"}

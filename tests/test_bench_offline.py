@@ -101,3 +101,31 @@ def test_throughput_prefix_and_file_datasets(tiny, tmp_path):
     out = run_json("throughput", "--num-prompts", "3", "--output-len", "2", "--dataset", "file", "--dataset-path",
                    str(tmp_path / "p.jsonl"), *tiny)
     assert out["num_requests"] == 3 and out["output_tokens"] == 6
+
+
+def test_throughput_gives_extra_sampling_to_a_fraction_of_requests(tiny, monkeypatch):
+    """--repetition-penalty and --logprobs go to --sampling-fraction of the requests, spread evenly; the rest keep
+    the plain parameters; a bad value is a one-line error before the model loads."""
+    import vserve.cli.bench as bench
+
+    seen = []
+    orig = bench.run_vserve
+
+    def recording(llm, w, extra=None, fraction=1.0):
+        real = llm.generate
+
+        def generate(prompts, params=None, **kw):
+            if isinstance(params, list):
+                seen.extend((p.repetition_penalty, p.logprobs) for p in params)
+            return real(prompts, params, **kw)
+        llm.generate = generate
+        return orig(llm, w, extra, fraction)
+
+    monkeypatch.setattr(bench, "run_vserve", recording)
+    out = run_json("throughput", "--num-prompts", "6", "--input-len", "4", "--output-len", "3",
+                   "--repetition-penalty", "1.1", "--logprobs", "2", "--sampling-fraction", "0.5", *tiny)
+    assert out["output_tokens"] == 18 and out["sampling"] == {"repetition_penalty": 1.1, "logprobs": 2,
+                                                               "fraction": 0.5}
+    assert seen == [(1.0, None), (1.1, 2)] * 3
+    res = runner.invoke(app, ["bench", "throughput", "--repetition-penalty", "-1", *tiny])
+    assert res.exit_code == 2 and "repetition_penalty" in res.output + res.stderr

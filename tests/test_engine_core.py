@@ -187,39 +187,43 @@ def test_engine_process_start_up_error_is_one_line_exit_2(tiny_dir):
     assert "Traceback" not in r.stderr + r.stdout
 
 
-class _RecordingEngine:
-    """What StepLoop calls on an engine, in order; it never has work, so one pass ends in on_idle."""
+class _RecordingCore:
+    """What CoreLoop calls on an EngineCore, in order; it never has work, so one pass ends in a stats message."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str]] = []
+        self.calls: list[tuple] = []
 
-    def submit(self, children) -> None:
-        self.calls.append(("submit", children[0].request_id))
+    def add_request(self, req) -> None:
+        self.calls.append(("add", req.request_id))
 
-    def abort_request(self, request_id: str) -> None:
-        self.calls.append(("abort", request_id))
+    def abort_requests(self, request_ids) -> None:
+        self.calls.append(("abort", tuple(request_ids)))
 
-    def has_unfinished_requests(self) -> bool:
+    def has_work(self) -> bool:
         return False
+
+    def core_stats(self, seconds: float) -> str:
+        return "stats"
 
 
 def test_an_abort_and_a_new_request_reusing_its_id_in_one_pass_keep_their_order():
-    """Both engine kinds run StepLoop: a client that aborts request "x" and at once sends a new "x" must get the
+    """Both transports run CoreLoop: a client that aborts request "x" and at once sends a new "x" must get the
     new one served (it used to be dropped with the old one when both landed in the same pass)."""
-    from types import SimpleNamespace
+    from vserve.core.core_client import CoreLoop
+    from vserve.core.engine_core import encode_request
+    from vserve.core.request import Request
+    from vserve.core.sampling_params import SamplingParams
 
-    from vserve.core.async_engine import StepLoop
-
-    engine = _RecordingEngine()
-    loop = StepLoop(engine, emit=lambda outputs, seconds: None, on_idle=lambda: loop.stop())
-    old, new = SimpleNamespace(request_id="x-old", parent_id="x"), SimpleNamespace(request_id="x-new", parent_id="x")
-    loop.add([old], True)
-    loop.abort("x")
-    loop.add([new], True)
-    assert loop.num_pending() == 2
-    loop.run()
-    assert engine.calls == [("submit", "x-old"), ("abort", "x"), ("submit", "x-new")]
-    assert loop.num_taken == 2 and loop.num_pending() == 0
+    core = _RecordingCore()
+    loop = CoreLoop(core)
+    old, new = (Request(request_id="x", prompt_token_ids=[1, 2], sampling_params=SamplingParams(), max_tokens=4,
+                        parent_id="x", arrival_time=t) for t in (1.0, 2.0))
+    loop.put(("add", [encode_request(old)]))
+    loop.put(("abort", ["x"]))
+    loop.put(("add", [encode_request(new)]))
+    assert loop.next_message(block=False) == ("stats", "stats")
+    assert core.calls == [("add", "x"), ("abort", ("x",)), ("add", "x")]
+    assert loop.next_message(block=False) is None  # nothing left to do
 
 
 @pytest.mark.parametrize("kind", ["process", "thread"])
@@ -227,14 +231,13 @@ def test_a_stream_hands_over_only_what_is_new(tiny_dir, kind):
     """Deltas end to end: each streamed output holds only the tokens, text and logprobs new since the one before,
     so the work a stream does is linear in its length (the chunks' token counts add up to the output's, where
     cumulative outputs would add up to its square); a non-streaming request gets the same output, built once."""
-    from vserve.core.async_engine import AsyncEngine
+    from vserve.core.async_engine import AsyncLLM
     from vserve.core.config import EngineConfig
-    from vserve.core.engine import LLMEngine
-    from vserve.core.engine_core import EngineCoreClient
     from vserve.core.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(tiny_dir), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64)
-    client = EngineCoreClient(config) if kind == "process" else AsyncEngine(LLMEngine(config))
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64,
+                          engine_process=kind == "process")
+    client = AsyncLLM(config)
     client.start()
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, logprobs=2, n=2)
 

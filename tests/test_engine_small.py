@@ -57,7 +57,7 @@ def assert_idle(llm: LLM) -> None:
     engine = llm.llm_engine
     stats = engine.stats()
     assert not engine.has_unfinished_requests()
-    assert (engine.requests, engine.parents, engine.detokenizers) == ({}, {}, {})
+    assert (engine.core.requests, engine.output.parents, engine.output.states) == ({}, {}, {})
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_blocks
 
@@ -144,7 +144,7 @@ def test_n_4_shares_the_prompt_blocks_and_returns_indices_0_to_3(llm):
 
     engine.step()
 
-    tables = [engine.kv.req_to_blocks[f"p-{i}"] for i in range(4)]
+    tables = [engine.core.kv.req_to_blocks[f"p-{i}"] for i in range(4)]
     assert [len(t) for t in tables] == [3, 3, 3, 3]
     for i in range(2):
         assert all(t[i] is tables[0][i] for t in tables)

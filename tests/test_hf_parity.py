@@ -67,6 +67,24 @@ def test_greedy_matches_hf(references, family, setting):
         assert stats.num_preemptions > 0, "the setting was meant to force preemption"
 
 
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qknorm"])
+def test_greedy_matches_hf_through_the_engine_process(references, family):
+    """The same parity with the core in a spawned engine process (the GPU and `vserve serve` default), async
+    scheduling on, and preemption forced: the tokens cross the pipe as core outputs and the front end
+    detokenizes them."""
+    folder, prompts, expected = references(family)
+    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=16, engine_process=True, async_scheduling=True,
+              max_num_batched_tokens=40, num_kv_blocks=24, max_model_len=256)
+    try:
+        assert llm.llm_engine.core is None  # not in this process
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats = llm.llm_engine.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_smollm2_matches_hf(default_model_dir, hf_greedy):
     prompts_text = ["The capital of France is", "def fibonacci(n):",
                     "Once upon a time, in a small village,", "The three primary colors are"]

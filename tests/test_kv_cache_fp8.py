@@ -11,8 +11,8 @@ from vserve.core.config import EngineConfig
 def test_fp8_kv_cache_holds_twice_the_blocks_in_the_same_memory(tiny_model):
     folder = str(tiny_model("llama"))
     kw = dict(dtype="float32", device="cpu", kv_cache_memory_gib=0.01)
-    auto = LLM(folder, **kw).llm_engine
-    fp8 = LLM(folder, kv_cache_dtype="fp8", **kw).llm_engine
+    auto = LLM(folder, **kw).llm_engine.core
+    fp8 = LLM(folder, kv_cache_dtype="fp8", **kw).llm_engine.core
     assert fp8.memory_plan.kv_bytes_per_token * 4 == auto.memory_plan.kv_bytes_per_token  # fp32 -> 1 byte
     assert 4 * auto.memory_plan.num_blocks <= fp8.memory_plan.num_blocks < 4 * (auto.memory_plan.num_blocks + 1)
     for k_cache, v_cache in fp8.runner.kv_caches:

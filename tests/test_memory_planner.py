@@ -192,6 +192,6 @@ def test_engine_cpu_block_count_equals_the_plan(tiny_model, engine_args):
                        max_model_len=engine.max_model_len, max_num_seqs=c.max_num_seqs,
                        max_num_batched_tokens=c.max_num_batched_tokens,
                        kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None)
-    assert engine.kv.pool.num_blocks == plan.num_blocks
+    assert engine.core.kv.pool.num_blocks == plan.num_blocks
     assert plan.kv_bytes_per_block == 2 * 2 * 2 * 16 * 4 * 16  # K+V, 2 layers, 2 KV heads of 16, fp32, 16 tokens
     assert plan.kv_cache_bytes <= (c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else default_cpu_kv_budget())

@@ -11,7 +11,7 @@ def _run_two(llm, shared, tail_a, tail_b):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     first = llm.generate([shared + tail_a], sp)[0]
     engine = llm.llm_engine
-    runner = engine.runner
+    runner = engine.core.runner
     computed = []
     orig = runner.launch
 

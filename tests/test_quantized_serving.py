@@ -322,7 +322,7 @@ def test_the_engine_passes_the_flag_and_plans_with_the_loaded_layout(checkpoints
     folder = tiny_model("llama", hidden_size=128, intermediate_size=256)
     llm = LLM(str(folder), dtype="float32", device="cpu", load_format="dummy", quantization="awq")
     engine = llm.llm_engine
-    assert engine.model.quant_config.kind == "awq"
-    assert engine.memory_plan.quantization is not None
-    held = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # buffers (RoPE tables) aside
-    assert engine.memory_plan.weights_bytes == held
+    assert engine.core.model.quant_config.kind == "awq"
+    assert engine.core.memory_plan.quantization is not None
+    held = sum(p.numel() * p.element_size() for p in engine.core.model.parameters())  # buffers (RoPE tables) aside
+    assert engine.core.memory_plan.weights_bytes == held

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from vserve.core.request import Request
-from vserve.core.sampler import Logprob, Sampler, apply_penalties, top_k_top_p_min_p
+from vserve.core.sampler import (
+    Logprob,
+    Sampler,
+    TokenCounts,
+    apply_penalties,
+    apply_penalties_batched,
+    top_k_top_p_min_p,
+)
 from vserve.core.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -304,3 +311,83 @@ def test_logprobs_hold_n_entries_when_the_sampled_token_is_among_the_top_n():
     assert len(lp) == 4
     assert sorted(v.rank for v in lp.values()) == [1, 2, 3, 4]
     assert lp[out.token_ids[0]].rank == 1
+
+
+# ---- the batched device path against the per-row reference -------------------------------------------------
+
+
+def _random_reqs(rng: torch.Generator, vocab: int, rows: int) -> list[Request]:
+    def pick(n):
+        return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+    kinds = [dict(), dict(repetition_penalty=1.7), dict(frequency_penalty=0.8, presence_penalty=-0.3),
+             dict(logit_bias={int(t): float(b) for t, b in zip(pick(3), torch.randn(3, generator=rng) * 5)}),
+             dict(min_tokens=6, all_stop_token_ids=set(pick(2))),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.5, min_tokens=3, all_stop_token_ids={1},
+                  logit_bias={2: -3.0})]
+    reqs = []
+    for i in range(rows):
+        n_out = int(torch.randint(0, 9, (1,), generator=rng))
+        reqs.append(make_req(prompt=pick(int(torch.randint(1, 12, (1,), generator=rng))), output=pick(n_out),
+                             **kinds[i % len(kinds)]))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_penalties_equal_the_per_row_reference(seed):
+    rng = torch.Generator().manual_seed(seed)
+    vocab = 40
+    reqs = _random_reqs(rng, vocab, 12)
+    logits = torch.randn(12, vocab, generator=rng) * 3
+    want = logits.clone()
+    apply_penalties(want, reqs)
+
+    got = logits.clone()
+    apply_penalties_batched(got, reqs, TokenCounts(vocab, got.device), Sampler._column)
+
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_token_counts_include_the_token_still_in_flight():
+    """Under async scheduling a request's latest token is on the device, not yet in its host lists: the counts
+    the sampler keeps already hold it, so the next step's penalties equal the reference with that token."""
+    vocab = 30
+    sampler = Sampler()
+    req = make_req(prompt=[1, 2], output=[3], temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5,
+                   repetition_penalty=1.3)
+    logits = random_logits(1, vocab, 7)
+    first = sampler.sample(logits.clone(), [req])
+    req.num_pending = 1  # launched: its token is not appended yet
+    second_logits = random_logits(1, vocab, 8)
+    processed = second_logits.clone()
+    apply_penalties_batched(processed, [req], sampler.counts, Sampler._column)
+
+    token = first.resolve().token_ids[0]
+    req.append_token(token)
+    req.num_pending = 0
+    want = second_logits.clone()
+    apply_penalties(want, [req])
+    torch.testing.assert_close(processed, want, rtol=0, atol=0)
+    sampler.release(req.request_id)
+    assert sampler.counts.rows == {} and sampler.counts.num_counted == {}
+
+
+def test_batched_logprobs_match_each_rows_log_softmax():
+    logits = random_logits(5, 25, 9)
+    reqs = [make_req(temperature=0.0, logprobs=n) for n in (0, 3, None, 5, 1)]
+    out = Sampler()(logits, reqs)
+    raw = logits.log_softmax(-1)
+    for i, (req, entry) in enumerate(zip(reqs, out.logprobs)):
+        n = req.sampling_params.logprobs
+        if n is None:
+            assert entry is None
+            continue
+        tok = out.token_ids[i]
+        assert entry[tok].logprob == pytest.approx(float(raw[i, tok]))
+        assert entry[tok].rank == int((raw[i] > raw[i, tok]).sum()) + 1
+        top = raw[i].topk(n)
+        want = {int(t): (float(v), r + 1) for r, (v, t) in enumerate(zip(top.values, top.indices))}
+        want.setdefault(tok, (float(raw[i, tok]), entry[tok].rank))
+        assert sorted(entry) == sorted(want)
+        for t, lp in entry.items():
+            assert (lp.logprob, lp.rank) == (pytest.approx(want[t][0]), want[t][1])

@@ -16,13 +16,13 @@ def test_steps_respect_token_budget_and_max_num_seqs(tiny_model):
     for i, p in enumerate(_prompts(6, 20, 100, 1)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     steps = []
-    orig = engine.runner.launch
+    orig = engine.core.runner.launch
 
     def spy(sched, block_ids):
         steps.append((sched.total_tokens, list(sched.num_scheduled_tokens)))
         return orig(sched, block_ids)
 
-    engine.runner.launch = spy
+    engine.core.runner.launch = spy
     while engine.has_unfinished_requests():
         engine.step()
     mixed = False

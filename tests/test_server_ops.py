@@ -83,23 +83,24 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server_factory, tiny_mode
 CRASHING_SERVER = textwrap.dedent("""
     import sys
     from vserve.core.config import EngineConfig
-    from vserve.core.engine import LLMEngine
+    from vserve.core.engine_core import EngineCore
     from vserve.core.server.launch import ServeOptions, serve
 
-    real_step = LLMEngine.step
+    real_step = EngineCore.step
     calls = 0
 
-    def step(self, **kwargs):
+    def step(self):
         global calls
         calls += 1
         if calls > 3:
             raise RuntimeError("injected engine failure")
-        return real_step(self, **kwargs)
+        return real_step(self)
 
-    LLMEngine.step = step
+    EngineCore.step = step
     if __name__ == "__main__":
-        opts = ServeOptions(port=int(sys.argv[2]), engine_process=sys.argv[3] == "process")
-        sys.exit(serve(EngineConfig(model=sys.argv[1], max_model_len=256), opts))
+        opts = ServeOptions(port=int(sys.argv[2]))
+        sys.exit(serve(EngineConfig(model=sys.argv[1], max_model_len=256, engine_process=sys.argv[3] == "process"),
+                       opts))
 """)
 
 

@@ -47,14 +47,14 @@ def test_killed_rank_is_named_within_bounded_time(tiny_model, monkeypatch):
     monkeypatch.setenv("VSERVE_DIST_TIMEOUT", "20")
     llm = LLM(str(tiny_model("llama")), dtype="float32", device="cpu", skip_tokenizer_init=True,
               tensor_parallel_size=2)
-    proc = llm.llm_engine.workers.procs[1]
+    proc = llm.llm_engine.core.workers.procs[1]
     proc.kill()
     proc.wait(10)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor-parallel worker died: rank 1 \(exit code -9\)"):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 25
-    assert llm.llm_engine.workers is None and not dist.is_initialized()
+    assert llm.llm_engine.core.workers is None and not dist.is_initialized()
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays dead: its shards are gone
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 

@@ -176,11 +176,11 @@ def test_awq_gemv_splits_and_its_in_kernel_sum(seed, N, K, group, launch):
     (8, 128, 256, 128, dict(split_k=1)),  # a full launch of AWQ_GEMV_ROWS rows, written straight to the output
     (11, 128, 256, 64, dict(split_k=2)),  # more than AWQ_GEMV_ROWS: launches of 6 and 5 rows
 ])
-def test_awq_gemv_takes_a_few_rows_at_once(seed, monkeypatch, M, N, K, group, launch):
-    """Decode batches of up to AWQ_GEMV_M rows go through the AWQ GEMV, which decodes each word of codes once for all
+def test_awq_gemv_takes_a_few_rows_at_once(seed, M, N, K, group, launch):
+    """Decode batches of up to gemv_m rows go through the AWQ GEMV, which decodes each word of codes once for all
     the rows of a launch: each row as the reference, the same bits as that row alone, with the partials summed by
     the kernel's last program (every arrival count back at 0; in split order) or by a second kernel."""
-    monkeypatch.setattr(triton_w4a16, "AWQ_GEMV_M", 16)
+    launch = dict(launch, gemv_m=16)
     qweight, scales, qzeros, _, _, gs = map(_on_device, quantized_weight("awq", N, K, group))
     x = torch.randn(M, K, device=DEVICE, dtype=torch.float16)
     mag = torch.ones(M, 1, device=DEVICE)
@@ -225,14 +225,14 @@ def test_awq_gemv_is_as_precise_as_a_gemm_on_the_dequantized_weight(seed):
 
 
 @pytest.mark.parametrize("mags", [(1e30,), (1e-30,), (1e30, 1e-30, 1.0)])
-def test_awq_gemv_scales_bf16_activations_into_fp16_range(seed, monkeypatch, mags):
+def test_awq_gemv_scales_bf16_activations_into_fp16_range(seed, mags):
     """bf16 activations far outside fp16's range (1e30, 1e-30; in one launch, rows of both and an ordinary one) are
     scaled, each row by its own power of two, before the fp16 arithmetic: finite outputs, as close to the exact
     ones as at ordinary magnitudes."""
-    monkeypatch.setattr(triton_w4a16, "AWQ_GEMV_M", 8)  # every row count here through the GEMV
     qweight, scales, qzeros, _, _, gs = map(_on_device, quantized_weight("awq", 64, 512, 128))
     x = (torch.randn(len(mags), 512, device=DEVICE) * torch.tensor(mags, device=DEVICE)[:, None]).to(torch.bfloat16)
-    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs).double()
+    # gemv_m=8: every row count here through the GEMV
+    got = triton_w4a16.w4a16_gemm(x, qweight, scales, qzeros, None, "awq", 4, gs, gemv_m=8).double()
     exact = x.double() @ w4a16_ref.dequantize_weight(qweight, scales, qzeros, None, "awq", 4, gs).double().t()
     assert bool(torch.isfinite(got).all()), seed
     rel = (got - exact).norm(dim=1) / exact.norm(dim=1)

@@ -50,7 +50,7 @@ def summarize(events: list[dict], recvs: list[dict]) -> dict | None:
     gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:])]
     intervals = [b["t0"] - a["t0"] for a, b in zip(decode, decode[1:]) if b is not a]
     return {
-        "steps": len(steps), "stream": steps[0]["stream"], "duration_s": t_end - t_start,
+        "steps": len(steps), "stream": steps[0].get("stream", True), "duration_s": t_end - t_start,
         "tokens": sum(s["tokens"] for s in steps), "peak_running": peak,
         "adds": len(adds), "adds_span_s": (max(adds) - min(adds)) if adds else None,
         "first_add_to_first_step_ms": (t_start - min(adds)) * 1e3 if adds else None,
@@ -84,7 +84,8 @@ def timeline(files: dict[str, list[dict]]) -> dict | None:
     t0, t1 = min(r["sent"] for r in reqs), max(r["end"] for r in reqs)
     http = [e for ev in files.values() for e in ev if e["k"] == "http" and t0 <= e["t_in"] <= t1]
     adds = [e["t"] for ev in files.values() for e in ev if e["k"] == "add" and t0 <= e["t"] <= t1]
-    steps = [e for ev in files.values() for e in ev if e["k"] == "step" and e["stream"] and t0 <= e["t0"] <= t1]
+    steps = [e for ev in files.values() for e in ev
+             if e["k"] == "step" and e.get("stream", True) and t0 <= e["t0"] <= t1]
 
     def ms(t):
         return round((t - t0) * 1e3, 1) if t is not None else None

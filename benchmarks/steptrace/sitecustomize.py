@@ -3,13 +3,12 @@
     VSERVE_STEP_TRACE_DIR=DIR PYTHONPATH=benchmarks/steptrace:... python benchmarks/h200_bench.py ...
 
 Python imports `sitecustomize` at start-up, so the server, its engine process (spawned) and the benchmark's own
-offline engine are all traced without a change to vserve: each process appends JSON lines to
-DIR/trace-PID.jsonl, one per engine step (start, end, seconds waiting for the device's tokens, seconds in the
-runner's launch, tokens scheduled, requests running/waiting, outputs made, streaming or finished-only), one per
-emitted engine-process message (seconds to build and send it), one per message the server's reader applies,
-one per request the step loop takes in, one per streamed completion (handler start, first and last chunk) and one
-per `bench serve` request (sent, first token, end).
-benchmarks/steptrace/analyze.py summarizes the files. Only for benchmarking: it adds ~20 us per step.
+offline engine are all traced without a change to vserve: each process appends JSON lines to DIR/trace-PID.jsonl,
+one per engine step (start, end, seconds waiting for the device's tokens, seconds in the runner's launch, tokens
+scheduled, requests running/waiting, outputs made), one per message the server's reader
+applies, one per request the server's front end takes in, one per streamed completion (handler start, first and last
+chunk) and one per `bench serve` request (sent, first token, end). benchmarks/steptrace/analyze.py summarizes the
+files. Only for benchmarking: it adds ~20 us per step.
 """
 
 import atexit
@@ -68,33 +67,30 @@ def _install() -> None:
     def patch_runner(mod) -> None:
         add_time(mod.ModelRunner, "launch", "launch")
 
-    def patch_engine(mod) -> None:
-        orig = mod.LLMEngine.step
+    def patch_core(mod) -> None:
+        orig = mod.EngineCore.step
 
-        def step(self, finished_only=False, delta=False):
+        def step(self):
             state["wait"] = state["launch"] = 0.0
             t0 = time.perf_counter()
-            outs = orig(self, finished_only, delta)
+            outs = orig(self)
             t1 = time.perf_counter()
             s = self.scheduler
-            record(k="step", t0=t0, t1=t1, wait=state["wait"], launch=state["launch"], tokens=self.last_step_tokens,
-                   running=len(s.running), waiting=len(s.waiting), outs=len(outs), stream=not finished_only)
+            record(k="step", t0=t0, t1=t1, wait=state["wait"], launch=state["launch"],
+                   tokens=self.last_step_tokens, running=len(s.running), waiting=len(s.waiting), outs=len(outs))
             if len(state["lines"]) == 1 or not s.running:
                 flush()
             return outs
-        mod.LLMEngine.step = step
+        mod.EngineCore.step = step
 
-    def patch_core(mod) -> None:
-        record_call(mod.EngineCore, "_emit", "emit")
-        record_call(mod.EngineCoreClient, "_on_step", "recv")
+    def patch_front(mod) -> None:
+        record_call(mod.AsyncLLM, "_on_step", "recv")
+        orig_generate = mod.AsyncLLM.generate
 
-    def patch_loop(mod) -> None:
-        orig_add = mod.StepLoop.add
-
-        def add(self, children, stream):
+        def generate(self, *a, **k):
             record(k="add", t=time.perf_counter())
-            return orig_add(self, children, stream)
-        mod.StepLoop.add = add
+            return orig_generate(self, *a, **k)
+        mod.AsyncLLM.generate = generate
 
     def patch_serving(mod) -> None:
         orig = mod._stream_completion
@@ -120,8 +116,7 @@ def _install() -> None:
 
     patches = {"vserve.core.server.serving": patch_serving, "vserve.cli.bench_serve": patch_client,
                "vserve.core.sampler": patch_sampler, "vserve.core.model_runner": patch_runner,
-               "vserve.core.engine": patch_engine, "vserve.core.engine_core": patch_core,
-               "vserve.core.async_engine": patch_loop}
+               "vserve.core.engine_core": patch_core, "vserve.core.async_engine": patch_front}
 
     class Finder(importlib.abc.MetaPathFinder):
         """Patches each module right after its first import."""

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vserve import __version__
-from vserve.core.async_engine import EngineClient, EngineDeadError, QueueFullError
+from vserve.core.async_engine import AsyncLLM, EngineDeadError, QueueFullError
 from vserve.core.server import serving
 from vserve.core.server.metrics import EngineMetrics
 from vserve.core.server.protocol import (
@@ -83,9 +83,9 @@ class BodyLimitMiddleware:
         return await self.app(scope, limited_receive, send)
 
 
-def build_app(engine: EngineClient | None, settings: ServerSettings, metrics: EngineMetrics | None = None,
+def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: EngineMetrics | None = None,
               embedder=None) -> FastAPI:
-    """`engine` (AsyncEngine or EngineCoreClient) serves generation; `embedder` (an EmbeddingEngine) serves
+    """`engine` (an AsyncLLM) serves generation; `embedder` (an EmbeddingEngine) serves
     /v1/embeddings."""
     metrics = metrics or EngineMetrics(settings.served_model_name)
 

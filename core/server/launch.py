@@ -26,7 +26,6 @@ class ServeOptions:
     max_queue_len: int | None = None
     drain_timeout_s: float = 30.0
     log_interval_s: float = 10.0
-    engine_process: bool = True  # the step loop in its own process; False: on a thread of the server's
     access_log: bool = True  # uvicorn's line per request (vLLM's --disable-uvicorn-access-log turns it off)
 
 
@@ -75,23 +74,10 @@ def served_model_names(model: str | None, given: tuple[str, ...]) -> tuple[str, 
 
 
 def _build_engine(config: EngineConfig, opts: ServeOptions):
-    """The engine process's client, or the loop thread (asked for, or under TP/PP)."""
-    use_process = opts.engine_process
-    if use_process and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        # Rank 0's collectives and its worker processes stay where they are tested: in the server's process.
-        log.info("tensor/pipeline parallel: the engine loop runs on a thread of the server process "
-                 "(--engine-process is not supported with TP/PP yet)")
-        use_process = False
-    if use_process:
-        from vserve.core.engine_core import EngineCoreClient
+    """The server's front end over an engine process (or, asked for or under TP/PP, a thread of this one)."""
+    from vserve.core.async_engine import AsyncLLM
 
-        return EngineCoreClient(config, opts.max_queue_len)
-    from vserve.core.async_engine import AsyncEngine
-    from vserve.core.engine import LLMEngine
-
-    engine = AsyncEngine(LLMEngine(config), opts.max_queue_len)
-    log.info("engine loop on a thread of the server process")
-    return engine
+    return AsyncLLM(config, opts.max_queue_len)
 
 
 def _is_embedding(model: str) -> bool:
@@ -132,7 +118,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT (drain, exit 0) or an engine crash (exit 1). Returns the exit status."""
     import uvicorn
 
-    from vserve.core.engine_core import EngineStartError
+    from vserve.core.core_client import EngineStartError
 
     _DrainingServer = _draining_server_class()
     try:

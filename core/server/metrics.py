@@ -7,8 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vserve.core.engine import LLMEngine
-from vserve.core.request import Request, RequestOutput
+from vserve.core.request import RequestOutput
 
 log = logging.getLogger("vserve.metrics")
 
@@ -50,7 +49,7 @@ class EngineMetrics:
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "gen": 0}
         self._log_mark = (time.monotonic(), 0, 0)
 
-    def on_step(self, engine: LLMEngine, step_tokens: int, _seconds: float) -> None:
+    def on_step(self, engine, step_tokens: int, _seconds: float) -> None:
         s = engine.stats()
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
@@ -68,7 +67,7 @@ class EngineMetrics:
             counter.inc(total - self._seen[key])
         self._seen[key] = total
 
-    def on_finish(self, out: RequestOutput, children: list[Request]) -> None:
+    def on_finish(self, out: RequestOutput, children: list) -> None:
         end = time.monotonic()
         for req, comp in zip(children, out.outputs):
             self._success.labels(self.model_name, comp.finish_reason or "abort").inc()
@@ -80,7 +79,7 @@ class EngineMetrics:
                 self.request_queue_time.observe(req.scheduled_time - req.arrival_time)
             self.e2e_request_latency.observe(end - req.arrival_time)
 
-    def log_line(self, engine: LLMEngine) -> str:
+    def log_line(self, engine) -> str:
         now = time.monotonic()
         t0, p0, g0 = self._log_mark
         dt = max(now - t0, 1e-9)
@@ -92,7 +91,7 @@ class EngineMetrics:
                 f"{(gtok - g0) / dt:.1f} tokens/s, Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {100 * hit:.1f}%")
 
-    def refresh(self, engine: LLMEngine) -> None:
+    def refresh(self, engine) -> None:
         """Read the gauges fresh (for /metrics while idle)."""
         s = engine.stats()
         self.num_requests_running.set(s.num_running)

@@ -11,7 +11,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vserve.core.async_engine import EngineClient, EngineDeadError
+from vserve.core.async_engine import AsyncLLM, EngineDeadError
 from vserve.core.request import CompletionOutput, RequestOutput
 from vserve.core.server.protocol import (
     ChatCompletionRequest,
@@ -96,7 +96,7 @@ def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def create_completion(engine: EngineClient, body: CompletionRequest, raw: Request, settings):
+async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Request, settings):
     if body.suffix is not None:
         raise ValueError("suffix is not supported")
     best_of = body.best_of or body.n
@@ -247,7 +247,7 @@ def _chat_logprobs(tokenizer, token_ids: list[int], entries, n_top: int) -> dict
     return {"content": content}
 
 
-async def create_chat_completion(engine: EngineClient, body: ChatCompletionRequest, raw: Request, settings):
+async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request, settings):
     eng = engine.engine
     if body.top_logprobs is not None and not body.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")

@@ -2,7 +2,7 @@
 time to find out otherwise: registers and spills (ptxas -v), shared memory, the shared-memory buffers and waits of
 the pipelined loop (TTGIR), and an instruction histogram of the whole kernel and of its largest loop (SASS).
 
-    python benchmarks/triton_sass.py vserve.kernels.triton_attention:_decode_partition_kernel \\
+    python benchmarks/kernels/triton_sass.py vserve.kernels.triton_attention:_decode_partition_kernel \\
         --types q_ptr=*bf16,kc_ptr=*fp8e4nv,vc_ptr=*fp8e4nv,bt_ptr=*i32,ctx_ptr=*i32,out_ptr=*bf16,acc_ptr=*fp32,\\
 m_ptr=*fp32,l_ptr=*fp32,count_ptr=*i32,qk_scale=fp32 \\
         --const D=128,GROUP=4,GROUP_P=16,BLOCK_SIZE=16,BLOCK_N=128,BLOCK_D=128,PARTITION=2048,FUSED_REDUCE=True,\\
@@ -12,7 +12,8 @@ Arguments not named in --types or --const are int32; pointers and stride_* argum
 (as Triton specializes them at run time) except those in --no-div, and so are the integers named in --div (a row
 length that Triton would find divisible at run time: without it masked loads are not vectorized). ptxas and
 cuobjdump come with the triton wheel.
-The listing files (ttgir, ptx, sass) go to --out.
+The listing files (ttgir, ptx, sass) and the numbers printed (triton_sass.json) go to --out. --cpu-smoke compiles
+triton_ops' SiLU-and-mul kernel. Nothing runs the kernel, so TRITON_INTERPRET is ignored here.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import argparse
 import ast
 import collections
 import importlib
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+SMOKE = ["vserve.kernels.triton_ops:_silu_and_mul_kernel", "--types", "x_ptr=*bf16,out_ptr=*bf16", "--const",
+         "BLOCK=1024,PDL=False"]
 
 
 def _pairs(text: str) -> dict[str, str]:
@@ -49,7 +54,7 @@ def _histogram(lines: list[str]) -> collections.Counter:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", help="module:function, e.g. vserve.kernels.triton_ops:_rms_norm_kernel")
+    ap.add_argument("kernel", nargs="?", help="module:function, e.g. vserve.kernels.triton_ops:_rms_norm_kernel")
     ap.add_argument("--types", default="", help="name=type,... (*bf16, *fp8e4nv, *i32, fp32, i64, ...)")
     ap.add_argument("--const", default="", help="name=value,... for the constexpr arguments")
     ap.add_argument("--no-div", default="", help="pointer/stride arguments not to declare 16-divisible")
@@ -58,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--out", default="/tmp/triton_sass")
+    ap.add_argument("--cpu-smoke", action="store_true", help=f"compile {SMOKE[0]}")
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args = ap.parse_args([*SMOKE, "--out", args.out])
+    if not args.kernel:
+        ap.error("give the kernel as module:function")
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled, never run: @triton.jit must build real kernels
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -103,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
            for m in (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     print(f"kernel: {len(ins)} instructions;", ", ".join(f"{op} {n}" for op, n in _histogram([t for _, t in ins])
                                                         .most_common(16)))
+    summary = dict(kernel=args.kernel, registers=int(usage.group(1)) if usage else None,
+                   spill_bytes=[int(spills.group(1)), int(spills.group(2))] if spills else None,
+                   shared_bytes=k.metadata.shared, instructions=len(ins))
     loops = []  # (start, end) of backward branches
     for addr, text in ins:
         targets = re.findall(r"0x[0-9a-f]+", text) if "BRA" in text else []
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         body = [t for a, t in ins if start <= a <= end]
         print(f"largest loop ({hex(start)}-{hex(end)}): {len(body)} instructions;",
               ", ".join(f"{op} {n}" for op, n in _histogram(body).most_common(24)))
+        summary["largest_loop_instructions"] = len(body)
+    (out / "triton_sass.json").write_text(json.dumps(summary, indent=1))
     print(f"listings in {out}/")
     return 0
 

@@ -1,0 +1,225 @@
+"""The recorded H200 rows of docs/performance.md (issue #24's acceptance 2 among them), each through the CLI as users
+run it: a fresh `vserve ...` process per row, the tokenizer loaded (each model folder carries common.py's synthetic
+word-level tokenizer: no real one exists offline on the device machines).
+
+    python benchmarks/h200_rows.py --out $OUT [--groups startup,throughput,quant,serve] [--rows NAME,...]
+    python benchmarks/h200_rows.py --out $OUT --groups hf        # the HF peer of the 8B 512-token row (~5 min)
+    python benchmarks/h200_rows.py --cpu-smoke --out /tmp/h200_rows
+
+Every row: random weights (--load-format dummy, bf16), prompts of random token ids, eos ignored, temperature 1.
+- startup: `vserve bench startup` for `serve` (process start to /health 200) and `generate` (to the first token), the
+  Llama-3-8B shape, one start with an empty Triton cache and two with it filled; the phases each process reports.
+- throughput: `vserve bench throughput`, 256 requests, prompts U[100,1024]: the Qwen2.5-0.5B and SmolLM2-135M shapes
+  with 512 new tokens each; the 8B shape with outputs U[100,1024] and with 512; the 8B shape at batch 1 (prompt 128,
+  512 new tokens).
+- quant: the 8B shape with its quantization in config.json (dummy codes and scales): batch 1 for bf16, AWQ W4A16
+  (group 128) and FP8 W8A8; 256 requests with outputs U[100,1024] for bf16 and for FP8 W8A8 + `--kv-cache-dtype fp8`,
+  one run of each first (it fills the Triton cache), then alternated twice: the ratio is the 1.4x goal's.
+- serve: `vserve serve` (8B) and `vserve bench serve --max-concurrency 64`, 256 requests, prompts U[100,1024], 512 new
+  tokens, streamed: TTFT, TPOT and ITL (p99 against p50).
+- hf (not run unless named): the 8B 512-token row with `--backend hf` (HF generate and generate_batch, same requests).
+- families (not run unless named): the Gemma-2-9B and Phi-3-mini-128k shapes, 256 requests U[100,1024] -> 512 new
+  tokens, with `--backend hf-batch` (HF generate_batch on the same requests, in the same run; issue #25).
+  8b_512_half_pen_lp: the 8B 512-token row with half the requests at repetition_penalty 1.1 and logprobs 5 (the
+  ratio to 8b_512 is the 0.9x goal's).
+Each row's JSON goes to OUT/h200_rows.json as it ends; a table is printed last.
+--cpu-smoke runs SMOKE_ROWS on a tiny shape in float32 on the CPU: the commands run, nothing is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import (  # benchmarks/ is sys.path[0]
+    GEMMA2_9B,
+    LLAMA3_8B,
+    PHI3_MINI,
+    QWEN25_05B,
+    SMOLLM2,
+    TINY,
+    cli_json,
+    model_folder,
+    server,
+)
+
+SHAPES = {"8b": LLAMA3_8B, "qwen05b": QWEN25_05B, "smollm2": SMOLLM2, "gemma2_9b": GEMMA2_9B, "phi3_mini": PHI3_MINI}
+QUANT = {  # config.json's quantization_config of each method
+    "bf16": None,
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": dict(num_bits=8, type="float", symmetric=True, strategy="channel",
+                                                          dynamic=False),
+                                          "input_activations": dict(num_bits=8, type="float", symmetric=True,
+                                                                    strategy="token", dynamic=True)}}},
+}
+SMOKE_ROWS = ("startup_serve_8b", "startup_generate_8b", "qwen05b_512", "8b_512_half_pen_lp", "quant_bs1_awq",
+              "quant_256_fp8_kv_fp8_warm", "serve_8b_c64")
+
+
+@dataclass(slots=True)
+class Sizes:
+    """The workloads' sizes: the recorded rows', or `smoke()`'s for a CPU check."""
+
+    num_prompts: int = 256
+    input_len: str = "100:1024"
+    output_len: str = "100:1024"
+    new_tokens: str = "512"
+    bs1_input: str = "128"
+    bs1_output: str = "512"
+    concurrency: int = 64
+    warmups: int = 8
+    cold_starts: int = 1
+    warm_starts: int = 2
+    repeats: int = 2  # the quant pair's alternations
+    timeout_s: float = 560.0
+
+    @classmethod
+    def smoke(cls) -> Sizes:
+        return cls(num_prompts=8, input_len="8:32", output_len="4:12", new_tokens="12", bs1_input="16",
+                   bs1_output="16", concurrency=4, warmups=1, cold_starts=0, warm_starts=1, repeats=1,
+                   timeout_s=240.0)
+
+
+@dataclass(slots=True)
+class Row:
+    """One CLI call: `vserve ARGS --model FOLDER --load-format dummy ...` (serve: `bench serve ARGS` against
+    `vserve serve FOLDER ...`)."""
+
+    group: str
+    name: str
+    shape: str
+    args: list[str]
+    quant: str = "bf16"
+    engine: list[str] = field(default_factory=list)  # engine flags beyond the model's
+
+
+def rows(z: Sizes) -> list[Row]:
+    def throughput(n, inp, out, *extra):
+        return ["bench", "throughput", "--num-prompts", str(n), "--input-len", inp, "--output-len", out, *extra]
+
+    bs1 = throughput(1, z.bs1_input, z.bs1_output, "--max-num-seqs", "8")
+    startup = ["--num-iters-cold", str(z.cold_starts), "--num-iters-warm", str(z.warm_starts)]
+    out = [Row("startup", f"startup_{mode}_8b", "8b", ["bench", "startup", "--mode", mode, *startup])
+           for mode in ("serve", "generate")]
+    out += [Row("throughput", "qwen05b_512", "qwen05b", throughput(z.num_prompts, z.input_len, z.new_tokens)),
+            Row("throughput", "smollm2_512", "smollm2", throughput(z.num_prompts, z.input_len, z.new_tokens)),
+            Row("throughput", "8b_u100_1024", "8b", throughput(z.num_prompts, z.input_len, z.output_len)),
+            Row("throughput", "8b_512", "8b", throughput(z.num_prompts, z.input_len, z.new_tokens)),
+            Row("throughput", "8b_512_half_pen_lp", "8b", throughput(
+                z.num_prompts, z.input_len, z.new_tokens, "--repetition-penalty", "1.1", "--logprobs", "5",
+                "--sampling-fraction", "0.5")),
+            Row("throughput", "8b_bs1", "8b", bs1)]
+    out += [Row("quant", f"quant_bs1_{q}", "8b", bs1, q) for q in ("bf16", "awq", "fp8")]
+    pair = [("bf16", "auto"), ("fp8", "fp8")]
+    for rep in ["warm", *(f"r{i + 1}" for i in range(z.repeats))]:
+        out += [Row("quant", f"quant_256_{q}_kv_{kv}_{rep}", "8b", throughput(z.num_prompts, z.input_len, z.output_len),
+                    q, ["--kv-cache-dtype", kv]) for q, kv in pair]
+    out.append(Row("serve", "serve_8b_c64", "8b", [
+        "--num-prompts", str(z.num_prompts), "--input-len", z.input_len, "--output-len", z.new_tokens,
+        "--max-concurrency", str(z.concurrency), "--num-warmups", str(z.warmups), "--seed", "0"]))
+    out.append(Row("hf", "8b_512_hf", "8b", throughput(z.num_prompts, z.input_len, z.new_tokens, "--backend", "hf")))
+    out += [Row("families", f"{shape}_512_hf_batch", shape, throughput(z.num_prompts, z.input_len, z.new_tokens,
+                                                                      "--backend", "hf-batch"))
+            for shape in ("gemma2_9b", "phi3_mini")]
+    return out
+
+
+def run_serve(row: Row, folder: str, engine: list[str], timeout_s: float) -> dict:
+    """`vserve serve` on the row's model, then `vserve bench serve` (streamed, token-id prompts) against it."""
+    log = Path(tempfile.mkdtemp(prefix="vserve-rows-")) / "server.log"
+    t0 = time.monotonic()
+    with server([folder, *engine], log, timeout_s) as (url, _pid):
+        start_s = time.monotonic() - t0
+        report = cli_json(["bench", "serve", "--base-url", url, "--token-ids", "--tokenizer", folder, *row.args],
+                          timeout_s)
+    return {**report, "server_start_s": start_s}
+
+
+def headline(r: dict) -> str:
+    """A row's result in a few words: output tok/s, start-up seconds or the serving latencies."""
+    if "error" in r:
+        return "error: " + str(r["error"]).strip().splitlines()[-1][:100]
+    if "output_tokens_per_s" in r:
+        return f"{r['output_tokens_per_s']:,.1f} output tok/s ({r['output_tokens']} tokens, {r['elapsed_s']:.2f} s)"
+    if r.get("mode") in ("serve", "generate"):
+        return "; ".join(f"{run['cache']} {run['seconds']:.2f} s" for run in r.get("runs", []))
+    if "runs" in r:
+        x = r["runs"][0]
+        return (f"{x['output_throughput']:,.1f} output tok/s; TTFT p50 {x['p50_ttft_ms']:,.1f} ms; ITL p50 "
+                f"{x['p50_itl_ms']:.2f} / p99 {x['p99_itl_ms']:.2f} ms ({x['p99_itl_ms'] / x['p50_itl_ms']:.1f}x); "
+                f"failed {x['failed']}")
+    return json.dumps(r)[:120]
+
+
+def ratios(res: dict) -> dict:
+    """The quant rows' ratios to bf16 (batch 1, and each alternation of the 256-request pair)."""
+    def tok_s(name):
+        return res.get(name, {}).get("output_tokens_per_s")
+
+    out = {}
+    for q in ("awq", "fp8"):
+        if tok_s(f"quant_bs1_{q}") and tok_s("quant_bs1_bf16"):
+            out[f"bs1_{q}_over_bf16"] = tok_s(f"quant_bs1_{q}") / tok_s("quant_bs1_bf16")
+    if tok_s("8b_512_half_pen_lp") and tok_s("8b_512"):
+        out["half_pen_lp_over_plain"] = tok_s("8b_512_half_pen_lp") / tok_s("8b_512")
+    for name in res:
+        if name.startswith("quant_256_fp8_kv_fp8_") and tok_s(name.replace("fp8_kv_fp8", "bf16_kv_auto")):
+            out[name.removeprefix("quant_256_") + "_over_bf16"] = tok_s(name) / tok_s(
+                name.replace("fp8_kv_fp8", "bf16_kv_auto"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--groups", default="startup,throughput,quant,serve",
+                    help="comma-separated (hf, families: not by default)")
+    ap.add_argument("--rows", default="", help="row names, comma-separated (instead of --groups)")
+    ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
+                    help="SMOKE_ROWS on a tiny shape on the CPU, float32: the commands run, nothing is measured")
+    args = ap.parse_args(argv)
+    sizes = Sizes.smoke() if args.cpu_smoke else Sizes()
+    names = set(filter(None, args.rows.split(","))) or (set(SMOKE_ROWS) if args.cpu_smoke else set())
+    groups = set(args.groups.split(","))
+    todo = [r for r in rows(sizes) if r.name in names or (not names and r.group in groups)]
+    device = ["--device", "cpu", "--dtype", "float32"] if args.cpu_smoke else ["--dtype", "bfloat16"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    folders: dict[tuple[str, str], str] = {}
+    res: dict = {"sizes": {k: getattr(sizes, k) for k in Sizes.__slots__}}
+    t0 = time.monotonic()
+    for row in todo:
+        key = (row.shape, row.quant)
+        if key not in folders:
+            cfg = dict(TINY if args.cpu_smoke else SHAPES[row.shape])
+            if QUANT[row.quant] is not None:
+                cfg["quantization_config"] = QUANT[row.quant]
+            folders[key] = model_folder(cfg)
+        engine = ["--load-format", "dummy", *device, *row.engine]
+        start = time.monotonic()
+        if row.group == "serve":
+            r = run_serve(row, folders[key], engine, sizes.timeout_s)
+        else:
+            r = cli_json([*row.args, "--model", folders[key], *engine], sizes.timeout_s)
+        r["cli"] = (f"vserve serve MODEL {' '.join(engine)}; vserve bench serve --base-url URL --token-ids "
+                    + " ".join(row.args)) if row.group == "serve" else " ".join(["vserve", *row.args, "--model MODEL",
+                                                                                *engine])
+        r["row_s"] = round(time.monotonic() - start, 2)
+        res[row.name] = r
+        res["ratios"] = ratios(res)
+        res["total_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "h200_rows.json").write_text(json.dumps(res, indent=1))
+        print(f"{row.name:34} {headline(r)}", flush=True)
+    for k, v in res["ratios"].items():
+        print(f"{k:34} {v:.3f}x")
+    return 1 if any("error" in res[r.name] for r in todo) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

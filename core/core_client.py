@@ -1,0 +1,272 @@
+"""One message protocol between a front end and its EngineCore, two transports.
+
+Front end -> core: ("add", [encoded child requests]), ("abort", [child request ids]), ("shutdown", None).
+Core -> front end: ("step", [CoreOutput, ...], CoreStats) once per step; ("stats", CoreStats) when adds or aborts
+changed the cache while nothing runs; ("dead", reason) when the core raised.
+
+`CoreLoop` is the core's side of it: it applies the commands in arrival order and steps while there is work.
+`InprocClient` runs it on the caller's thread (`recv()` steps the core: the CPU path, TP, and the server's
+`--no-engine-process`); `ProcClient` runs it in an engine process of its own (`spawn`: CUDA-safe) and carries the
+messages over two pipes, so the front end's detokenization and HTTP work overlap the device's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+from vserve.core.config import EngineConfig
+from vserve.core.engine_core import CoreInfo, EngineCore, decode_request
+from vserve.ops import startup
+
+log = logging.getLogger("vserve.engine")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process failed to start on something other than bad input (its log has the traceback)."""
+
+
+class CoreLoop:
+    """The core's side of the protocol: `put` takes commands from any thread, `next_message` applies them and runs
+    the next step (or waits for work)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._lock = threading.Lock()
+        self._inbox: list[tuple] = []  # in arrival order: an abort and a new request reusing an id stay ordered
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+
+    def put(self, command: tuple) -> None:
+        with self._lock:
+            self._inbox.append(command)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def apply_commands(self) -> bool:
+        """Apply the commands put so far (the loop does it before each step); whether there were any."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        core = self.core
+        for kind, arg in inbox:
+            if kind == "add":
+                for child in arg:
+                    core.add_request(decode_request(child))
+            elif kind == "abort":
+                core.abort_requests(arg)
+            else:  # shutdown
+                self._stop.set()
+        return bool(inbox)
+
+    def next_message(self, block: bool = True) -> tuple | None:
+        """The core's next message; None once stopped (or, without `block`, when there is nothing to do)."""
+        core = self.core
+        while not self._stop.is_set():
+            took = self.apply_commands()
+            if core.has_work():
+                t0 = time.perf_counter()
+                outputs = core.step()
+                return "step", outputs, core.core_stats(time.perf_counter() - t0)
+            if took:
+                return "stats", core.core_stats(0.0)
+            if not block:
+                return None
+            self._wake.wait(0.5)
+            self._wake.clear()
+        return None
+
+
+class InprocClient:
+    """The core in this process; `recv()` runs its next step on the calling thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.info: CoreInfo = self.core.info()
+        self.loop = CoreLoop(self.core)
+
+    def send(self, command: tuple) -> None:
+        self.loop.put(command)
+
+    def recv(self, block: bool = True) -> tuple | None:
+        """The core's next message (what the core raises propagates: the caller decides what a dead core means)."""
+        return self.loop.next_message(block)
+
+    def wake(self) -> None:
+        """Return a blocked recv() (on shutdown)."""
+        self.loop.stop()
+
+    def is_alive(self) -> bool:
+        return not self.loop.stopped
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.loop.stop()
+        self.core.shutdown()
+
+
+# ---- the engine process ---------------------------------------------------------------------------------------
+def _receive(loop: CoreLoop, commands) -> None:
+    try:
+        while True:
+            cmd = commands.recv()
+            loop.put(cmd)
+            if cmd[0] == "shutdown":
+                return
+    except (EOFError, OSError):  # the front end's process is gone
+        loop.stop()
+
+
+def run_engine_core(config: EngineConfig, commands, outputs) -> None:
+    """The engine process's entry point: build the core, say ("ready", pid, start-up report, CoreInfo) or
+    ("failed", kind, message), then step until told to stop or the front end is gone."""
+    # The front end decides when the engine stops (a server after draining): a Ctrl-C or SIGTERM sent to the whole
+    # group must not kill the engine under in-flight requests. A front end that dies closes the pipe, which stops us.
+    startup.mark_imports()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        # On the CPU the engine keeps torch's thread count (every core, or OMP_NUM_THREADS): the front end's process
+        # is mostly idle while the engine steps. Leaving it a core cost a third of the throughput on 2 cores
+        # (SmolLM2 fp32, 32 streams of 256 tokens: 106 output tok/s with one thread, 129 and 148 with two,
+        # against 135-149 offline; docs/performance.md).
+        core = EngineCore(config)
+    except ValueError as e:  # bad input (a model that does not fit, ...): the front end says it in one line
+        outputs.send(("failed", "ValueError", str(e)))
+        return
+    except BaseException as e:
+        log.error("the engine failed to start: %r", e, exc_info=e)
+        outputs.send(("failed", type(e).__name__, str(e)))
+        return
+    outputs.send(("ready", os.getpid(), startup.report(), core.info()))
+    loop = CoreLoop(core)
+    threading.Thread(target=_receive, args=(loop, commands), name="vserve-engine-commands", daemon=True).start()
+    code = 0
+    try:
+        while (msg := loop.next_message()) is not None:
+            outputs.send(msg)
+    except OSError:  # the front end is gone: nobody to serve
+        pass
+    except BaseException as e:  # the core is dead
+        log.error("engine loop stopped: %r", e, exc_info=e)
+        try:
+            outputs.send(("dead", repr(e)))
+        except OSError:
+            pass
+        code = 1
+    finally:
+        core.shutdown()
+    sys.exit(code)
+
+
+class ProcClient:
+    """The core in an engine process. Started first, so the caller loads its tokenizer while the engine process
+    imports torch and loads the weights; `wait_ready()` then waits for the model (minutes for a large one). Bad input
+    at start-up comes back as the ValueError EngineCore raises in-process, anything else as EngineStartError."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, out_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine_core, args=(config, cmd_recv, out_send), name="vserve-engine",
+                                 daemon=True)  # daemon: ended at this process's exit, whatever happens
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._proc.start()
+        cmd_recv.close()  # ours closed, so the pipes report EOF when the other side dies
+        out_send.close()
+        self.pid = self._proc.pid
+        self.info: CoreInfo | None = None
+
+    def wait_ready(self) -> None:
+        msg = None
+        try:
+            while msg is None:
+                if self._outputs.poll(0.2):
+                    try:
+                        msg = self._outputs.recv()
+                    except EOFError:
+                        break
+                elif not self._proc.is_alive():
+                    break
+            if msg is None:
+                self._proc.join(5)
+                raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while starting")
+            if msg[0] == "failed":
+                self._proc.join(5)
+                if msg[1] == "ValueError":
+                    raise ValueError(msg[2])
+                raise EngineStartError(f"the engine process failed to start: {msg[1]}: {msg[2]}")
+        except BaseException:
+            self.kill()
+            raise
+        startup.CHILD.update(msg[2])
+        self.info = msg[3]
+        log.info("engine process started (pid %d)", self.pid)
+
+    def send(self, command: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._commands.send(command)
+        except OSError:  # the engine process is gone: recv() reports it
+            pass
+
+    def recv(self, block: bool = True) -> tuple | None:
+        """The engine's next message; ("dead", reason) once it is gone."""
+        try:
+            if not block and not self._outputs.poll():
+                return None
+            return self._outputs.recv()
+        except (EOFError, OSError):
+            pass
+        if self._closing:
+            return None
+        self._proc.join(2)
+        reason = f"the engine process died (exit code {self._proc.exitcode})"
+        log.error("%s", reason)
+        return "dead", reason
+
+    def wake(self) -> None:
+        """Nothing to do: shutdown() closes the pipe, which returns a blocked recv()."""
+
+    def is_alive(self) -> bool:
+        return not self._closing and self._proc.is_alive()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Tell the engine process to stop; kill it if it has not after `timeout` seconds."""
+        self._closing = True
+        self.send(("shutdown", None))
+        self._proc.join(timeout)
+        self.kill()
+        self._commands.close()
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def use_engine_process(config: EngineConfig, serving: bool) -> bool:
+    """Whether the core gets a process of its own: as asked, else for a server, and on a GPU (the text work then
+    overlaps the device's step); on the CPU an offline run keeps it in-process (no spawn, no second model import).
+    Tensor/pipeline parallel ranks are started by an in-process core (their collectives are tested there)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        return False
+    if config.engine_process is not None:
+        return config.engine_process
+    if serving:
+        return True
+    from vserve.core.loader import pick_device
+
+    return pick_device(config.device).type == "cuda"
