@@ -143,14 +143,16 @@ class EngineCore:
             max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
             num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
-            kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None, **measured)
+            kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None,
+            sliding_window=mc.kv_window(), **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:
             from vserve.core.distributed import broadcast_object
 
             broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len})
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        # where every layer slides, blocks behind the window go back to the pool as a request moves on
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window())
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).

@@ -1,4 +1,8 @@
-"""GGUF checkpoints through the `gguf` package: HF config from metadata, dequantized tensors under HF names."""
+"""GGUF checkpoints through the `gguf` package: HF config from metadata, dequantized tensors under HF names.
+
+What llama.cpp's convert_hf_to_gguf.py changed is undone here: Llama's q/k rows interleaved for its RoPE, Gemma's
+norm weights stored as 1 + w, Phi-3's LongRoPE factors stored as tensors; what it dropped is restored the way
+llama.cpp itself decides it (Gemma 2/3's attention scale, Gemma 3's local RoPE base and layer pattern)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                      "starcoder2": "Starcoder2ForCausalLM"}
+GEMMAS = ("gemma", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -25,6 +33,22 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# where an architecture's block tensors differ from Llama's
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+_DEFAULTS = {  # config.json fields the GGUF metadata does not carry, as transformers' configs default them
+    "gemma": {"hidden_act": "gelu_pytorch_tanh"},
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
+    "gemma3": {"hidden_act": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
+    "starcoder2": {"hidden_act": "gelu_pytorch_tanh"},
+    "cohere2": {"sliding_window_pattern": 4},
+}
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their attention by (hidden / heads)^-0.5
 
 
 def _reader(path: str | Path):
@@ -57,6 +81,34 @@ def gguf_config(path: str | Path, reader=None) -> dict:
     heads = a("attention.head_count")
     hidden = a("embedding_length")
     vocab = a("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    head_dim = a("attention.key_length", hidden // heads)
+    extra = dict(_DEFAULTS.get(arch, {}))
+    eps = a("attention.layer_norm_rms_epsilon") or a("attention.layer_norm_epsilon", 1e-6)
+    for key, field in (("attention.sliding_window", "sliding_window"), ("logit_scale", "logit_scale"),
+                       ("attn_logit_softcapping", "attn_logit_softcapping"),
+                       ("final_logit_softcapping", "final_logit_softcapping")):
+        if a(key) is not None:
+            extra[field] = a(key)
+    if arch in ("gemma2", "gemma3"):
+        big = a("block_count") == _LAYERS_27B[arch]
+        extra["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    if arch == "gemma3" and a("rope.scaling.type") == "linear":
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    if arch == "phi3":
+        rot = a("rope.dimension_count", head_dim)
+        extra["partial_rotary_factor"] = rot / head_dim
+        if "rope_factors_long.weight" in names:  # LongRoPE: its factors are tensors in the file
+            t = {t.name: t for t in r.tensors}
+            extra["original_max_position_embeddings"] = a("rope.scaling.original_context_length")
+            extra["rope_scaling"] = {"rope_type": "longrope",
+                                     "long_factor": [float(x) for x in t["rope_factors_long.weight"].data],
+                                     "short_factor": [float(x) for x in t["rope_factors_short.weight"].data]}
+            if a("rope.scaling.attn_factor") is not None:
+                extra["rope_scaling"]["attention_factor"] = float(a("rope.scaling.attn_factor"))
+    if arch == "command-r":
+        extra["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    if arch == "starcoder2":
+        extra["use_bias"] = "blk.0.attn_q.bias" in names
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -66,22 +118,24 @@ def gguf_config(path: str | Path, reader=None) -> dict:
         "num_hidden_layers": a("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": a("attention.head_count_kv", heads),
-        "head_dim": a("attention.key_length", hidden // heads),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(eps),
         "rope_theta": float(a("rope.freq_base", 10000.0)),
         "max_position_embeddings": a("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "bfloat16",
+        **extra,
     }
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     base, _, suffix = name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     return None
@@ -103,9 +157,12 @@ def iter_gguf_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> I
 
     r = _reader(path)
     cfg = gguf_config(path, r)
-    llama = cfg["model_type"] == "llama"
+    arch = cfg["model_type"]
+    llama = arch == "llama"
     for t in r.tensors:
-        name = _hf_name(t.name)
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            continue  # Phi-3's LongRoPE factors: in the config (gguf_config)
+        name = _hf_name(t.name, arch)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} has no place in {cfg['architectures'][0]}")
         w = dequantize(t.data, t.tensor_type)
@@ -113,6 +170,8 @@ def iter_gguf_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> I
         if llama and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             w = _unpermute(w, heads)
+        if arch in GEMMAS and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's 1 + w
         w = np.ascontiguousarray(w)
         if not w.flags.writeable:  # F32/F16 tensors are views of the read-only memory map
             w = w.copy()

@@ -145,12 +145,24 @@ class BlockPool:
         return True
 
 
-class KVCacheManager:
-    """Per-request block tables on top of the pool; the scheduler's only view of the KV cache."""
+# Stands in a block table for a block released because it fell out of the sliding window: its id (0) is never read
+# (the attention kernels read only a query's window), and it is never freed or cached.
+OUT_OF_WINDOW = KVCacheBlock(0)
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+
+class KVCacheManager:
+    """Per-request block tables on top of the pool; the scheduler's only view of the KV cache.
+
+    sliding_window (a model whose every layer slides; ModelConfig.kv_window()): blocks wholly before the window of
+    the next token to compute are released as soon as the request moves past them (vLLM's sliding-window manager,
+    without its hybrid allocator: a model with any full-attention layer keeps every block)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.num_released: dict[str, int] = {}  # leading blocks of a request released (out of the window)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -188,6 +200,8 @@ class KVCacheManager:
         """Reserve blocks for `num_new_tokens` more tokens; None (and nothing changed) if they don't fit."""
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         bs = self.block_size
+        if self.sliding_window is not None and blocks:
+            self._release_outside_window(req.request_id, blocks, req.num_computed_tokens)
         total_tokens = req.num_computed_tokens + num_new_tokens
         if not new_computed_blocks and total_tokens <= len(blocks) * bs and (
                 not self.enable_caching or min(total_tokens, req.num_tokens) // bs
@@ -206,6 +220,8 @@ class KVCacheManager:
             return None
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
+        if self.sliding_window is not None:  # prefix hits older than the window go straight back
+            self._release_outside_window(req.request_id, blocks, num_computed)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
         if self.enable_caching:
@@ -220,14 +236,28 @@ class KVCacheManager:
             return
         self._update_block_hashes(req)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+            if blocks[i] is not OUT_OF_WINDOW:
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = num_full
+
+    def _release_outside_window(self, request_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Release the blocks wholly before the window of position num_computed (the next token computed): no
+        later query reads them. They keep their hashes, so a later prompt with the same prefix may still hit them."""
+        n = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(blocks))
+        start = self.num_released.get(request_id, 0)
+        if n <= start:
+            return
+        released = blocks[start:n]
+        blocks[start:n] = [OUT_OF_WINDOW] * (n - start)
+        self.pool.free_blocks(released)  # oldest first: evicted first
+        self.num_released[request_id] = n
 
     def free(self, req: Request) -> None:
         # Reverse order: a sequence's tail blocks are evicted before its (more shareable) head blocks.
         blocks = self.req_to_blocks.pop(req.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not OUT_OF_WINDOW)
         self.num_cached_blocks.pop(req.request_id, None)
+        self.num_released.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

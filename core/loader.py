@@ -14,6 +14,7 @@ from torch import nn
 
 from vserve.core.config import EngineConfig
 from vserve.core.distributed import get_pp_size
+from vserve.core.layers.norm import GemmaRMSNorm
 from vserve.core.layers.quantization import QuantConfig
 from vserve.core.model_config import ModelConfig
 from vserve.core.models import get_model_class
@@ -124,7 +125,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             loader(param, tensor, shard)
         else:
             default_weight_loader(param, tensor)
-        loaded.add(f"{pname}:{shard}")
+        layer = getattr(loader, "__self__", None)
+        if shard is None and len(getattr(layer, "shard_sizes", ())) > 1:  # a fused tensor (Phi-3): every shard
+            loaded.update(f"{pname}:{s}" for s in layer.shard_sizes)
+        else:
+            loaded.add(f"{pname}:{shard}")
     missing = []
     for pname, param in params.items():
         layer = getattr(getattr(param, "weight_loader", None), "__self__", None)
@@ -166,11 +171,12 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if quantized:
             g = torch.Generator(device=quantized[0].device).manual_seed(seed + index[id(quantized[0])])
             method.init_dummy(module, g)
+    centred = {id(m.weight) for m in model.modules() if isinstance(m, GemmaRMSNorm)}  # x (1 + w): w = 0 is 1
     for i, (name, p) in enumerate(params):
         if getattr(p, "quantized", False):
             continue
         if "norm" in name:
-            p.data.fill_(1.0)
+            p.data.fill_(0.0 if id(p) in centred or name.endswith(".bias") else 1.0)
         else:
             g = torch.Generator(device=p.device).manual_seed(seed + i)
             p.data.normal_(0.0, 0.02, generator=g)

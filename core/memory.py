@@ -76,6 +76,15 @@ def kv_heads_per_rank(m: ModelConfig, tp: int = 1) -> int:
     return max(1, m.num_key_value_heads // tp)
 
 
+# Norm weights a layer has besides its q/k norms (Llama's 2: before attention and before the MLP), by architecture.
+_NORMS_PER_LAYER = {"Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4, "CohereForCausalLM": 1, "Cohere2ForCausalLM": 1}
+
+
+def _gated(m: ModelConfig) -> bool:
+    """gate_up + down (every family but StarCoder2's plain c_fc + c_proj)."""
+    return m.architecture != "Starcoder2ForCausalLM"
+
+
 def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int, bool]]:
     """(in_features, out_features, how many, row-parallel) of one rank's quantizable linear layers."""
     H, L = m.hidden_size, m.num_hidden_layers
@@ -88,18 +97,24 @@ def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int, bool]]:
         mlps.append((moe.shared_intermediate_size, L))
     for inter, n in mlps:
         i = _cdiv(inter, tp)
-        layers += [(H, 2 * i, n, False), (i, H, n, True)]  # gate_up (column-parallel), down (row-parallel)
+        # gate_up (c_fc) column-parallel, down (c_proj) row-parallel
+        layers += [(H, (2 if _gated(m) else 1) * i, n, False), (i, H, n, True)]
     return layers
 
 
 def _other_params(m: ModelConfig, tp: int) -> int:
     """One rank's parameters that stay in the model dtype: embeddings, lm_head, norms, biases, the MoE router."""
     H, L, hd = m.hidden_size, m.num_hidden_layers, m.head_dim
-    n = _cdiv(m.vocab_size, tp) * H * (1 if m.tie_word_embeddings else 2) + (2 * L + 1) * H
-    if m.qk_norm:
-        n += 2 * hd * L
+    norm = 2 if m.architecture == "Starcoder2ForCausalLM" else 1  # LayerNorm with a bias
+    n = _cdiv(m.vocab_size, tp) * H * (1 if m.tie_word_embeddings else 2) + \
+        (_NORMS_PER_LAYER.get(m.architecture, 2) * L + 1) * H * norm
+    if m.qk_norm:  # Command R+: weights per head; the others share one over the heads
+        per_head = m.architecture.startswith("Cohere")
+        n += (m.num_attention_heads // tp + kv_heads_per_rank(m, tp) if per_head else 2) * hd * L
     if m.attention_bias:
         n += (m.num_attention_heads // tp + 2 * kv_heads_per_rank(m, tp)) * hd * L
+    if m.use_bias:  # StarCoder2: o_proj, c_fc and c_proj too
+        n += (2 * H + _cdiv(m.intermediate_size, tp)) * L
     moe = moe_shape(m)
     if moe is not None:
         n += H * moe.num_experts * L + (H * L if moe.shared_intermediate_size else 0)
@@ -143,7 +158,7 @@ def activation_bytes(m: ModelConfig, num_tokens: int, num_sampled: int, dtype_by
     attn = H + (q + 2 * kv) + q  # normed input, qkv, attention output
     moe = moe_shape(m)
     if moe is None:
-        mlp = H + 3 * _cdiv(m.intermediate_size, tp)  # normed input, gate_up, silu(gate) * up
+        mlp = H + (3 if _gated(m) else 2) * _cdiv(m.intermediate_size, tp)  # normed input, gate_up, act(gate) * up
     else:
         mlp = H + moe.top_k * 3 * _cdiv(moe.intermediate_size, tp) + 4 * moe.num_experts // dtype_bytes
     hidden = num_tokens * (H + max(attn, mlp)) * dtype_bytes
@@ -157,9 +172,8 @@ def dequant_buffer_bytes(m: ModelConfig, dtype_bytes: int, tensor_parallel_size:
 
 
 def context_limit(m: ModelConfig) -> int:
-    """The longest sequence the model serves (the engine stays inside a sliding window)."""
-    limit = m.max_position_embeddings
-    return limit if m.sliding_window is None else min(limit, m.sliding_window)
+    """The longest sequence the model serves (sliding-window models included: their window is per layer)."""
+    return m.max_position_embeddings
 
 
 @dataclass
@@ -189,6 +203,8 @@ class MemoryPlan:
     kv_cache_bytes: int
     max_model_len_fit: int  # the longest sequence the cache holds, within the model's context
     max_concurrency: float  # --max-model-len sequences the cache holds at once
+    kv_blocks_per_seq: int  # blocks one --max-model-len sequence holds at most (fewer where every layer slides)
+    sliding_window: int | None  # the window the KV manager releases blocks behind (None: every block is kept)
     verdict: str  # fits | tight | oom
     reason: str
 
@@ -215,7 +231,8 @@ class MemoryPlan:
         if self.verdict != "oom":
             return
         if self.device == "cpu" or self.reason.startswith("the KV cache holds"):
-            check_fits_one_sequence(self.num_blocks, self.block_size, self.max_model_len, self.kv_bytes_per_block)
+            check_fits_one_sequence(self.num_blocks, self.block_size, self.kv_blocks_per_seq * self.block_size,
+                                    self.kv_bytes_per_block)
         raise ValueError(self.reason)
 
     def as_dict(self) -> dict:
@@ -229,7 +246,7 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
                 max_num_seqs: int = 256, cuda_graphs: bool = True, kv_dtype_bytes: int | None = None,
                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                 other_processes_bytes: int = 0, in_use_bytes: int | None = None,
-                peak_activation_bytes: int | None = None) -> MemoryPlan:
+                peak_activation_bytes: int | None = None, sliding_window: int | None = None) -> MemoryPlan:
     """Plan one rank's memory.
 
     gpu_memory_bytes None plans the CPU path: the KV cache gets kv_cache_bytes (default: default_cpu_kv_budget()).
@@ -238,7 +255,9 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     budget is capped at what max_num_seqs full-length sequences can use; num_kv_blocks forces the count.
     An engine that has loaded the weights passes what it measured: in_use_bytes (total - free: weights,
     CUDA context, other processes) replaces the predicted weights + runtime + other processes, and
-    peak_activation_bytes the predicted activation peak.
+    peak_activation_bytes the predicted activation peak. sliding_window (ModelConfig.kv_window(), for an engine
+    whose KV manager releases the blocks behind it): a sequence holds at most its window's blocks plus a step's
+    tokens (kv_blocks_per_seq), however long it grows.
     """
     tp = tensor_parallel_size
     check_tensor_parallel(model, tp)
@@ -247,7 +266,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     max_len = max_model_len or context_limit(model)
     per_token = kv_bytes_per_token(model, kv_dtype_bytes or dtype_bytes, tp)
     per_block = per_token * block_size
-    seq_blocks = _cdiv(max_len, block_size)
+    seq_blocks = kv_blocks_per_seq(max_len, block_size, sliding_window, max_num_batched_tokens)
+    seq_tokens = max_len if sliding_window is None else seq_blocks * block_size  # what one sequence holds
     weights = weights_bytes(model, dtype_bytes, spec, tp)
     if peak_activation_bytes is not None:  # measured: the profile pass makes the dequantize buffer too
         activations = peak_activation_bytes
@@ -287,9 +307,9 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         verdict = "oom"
         reason = (f"the KV cache holds {num_blocks * block_size} tokens but one --max-model-len {max_len} "
                   f"sequence needs {seq_blocks * block_size}")
-    elif num_blocks * block_size < min(TIGHT_CONCURRENCY, max_num_seqs) * max_len:
+    elif num_blocks * block_size < min(TIGHT_CONCURRENCY, max_num_seqs) * seq_tokens:
         verdict = "tight"
-        reason = (f"only {num_blocks * block_size / max_len:.1f} sequences of --max-model-len {max_len} fit in "
+        reason = (f"only {num_blocks * block_size / seq_tokens:.1f} sequences of --max-model-len {max_len} fit in "
                   f"the KV cache at once")
     return MemoryPlan(
         device="cuda" if on_gpu else "cpu", gpu_memory_bytes=gpu_memory_bytes,
@@ -299,11 +319,25 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         weights_bytes=weights, activation_bytes=activations, cuda_graph_bytes=graphs, runtime_bytes=runtime,
         other_processes_bytes=other_processes_bytes, in_use_bytes=in_use_bytes, budget_bytes=budget,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks, kv_cache_bytes=kv_cache,
-        max_model_len_fit=min(num_blocks * block_size, context_limit(model)),
-        max_concurrency=num_blocks * block_size / max_len, verdict=verdict, reason=reason)
+        max_model_len_fit=(min(num_blocks * block_size, context_limit(model)) if sliding_window is None else
+                           context_limit(model) if num_blocks >= seq_blocks else 0),
+        max_concurrency=num_blocks * block_size / seq_tokens, kv_blocks_per_seq=seq_blocks,
+        sliding_window=sliding_window, verdict=verdict, reason=reason)
 
 
 # ---- helpers plan_memory is built on -------------------------------------------------------------------------
+
+
+def kv_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> int:
+    """KV blocks one sequence of max_model_len tokens holds at most. Behind a sliding window (every layer slides,
+    the blocks before the window released): the window's blocks, one more where it straddles a block boundary,
+    and one step's new tokens (vLLM's SlidingWindowSpec.max_memory_usage_bytes)."""
+    full = _cdiv(max_model_len, block_size)
+    if sliding_window is None:
+        return full
+    step = min(max_num_batched_tokens or max_model_len, max_model_len)
+    return min(full, _cdiv(sliding_window - 1, block_size) + 1 + _cdiv(step, block_size))
 
 
 def default_cpu_kv_budget() -> int:

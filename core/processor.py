@@ -32,9 +32,7 @@ def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
 
 
 def max_model_len_for(config: EngineConfig, mc: ModelConfig) -> int:
-    limit = mc.max_position_embeddings
-    if mc.sliding_window is not None:
-        limit = min(limit, mc.sliding_window)  # no sliding-window attention yet: stay inside the window
+    limit = mc.max_position_embeddings  # sliding-window layers attend past their window (kernels' window=)
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

@@ -39,13 +39,18 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    window: int | None = None  # sliding-window attention (checked where set: decode and prefill take window=)
+    softcap: float | None = None  # attention logit softcapping (Gemma 2)
 
 
 MODELS = {
     "llama3-8b": ModelShape(32, 8, 128, 4096, 14336, 128256),
     "smollm2-135m": ModelShape(9, 3, 64, 576, 1536, 49152),
+    # head_dim 256, a 1,024-token window (shorter than the check's contexts) and softcap 50: issue #25's kernels
+    "gemma2-9b-window": ModelShape(16, 8, 256, 3584, 14336, 256000, window=1024, softcap=50.0),
 }
-TINY_MODELS = {"tiny-gqa4": ModelShape(4, 1, 64, 128, 192, 1000), "tiny-gqa3": ModelShape(3, 1, 64, 96, 160, 5003)}
+TINY_MODELS = {"tiny-gqa4": ModelShape(4, 1, 64, 128, 192, 1000), "tiny-gqa3": ModelShape(3, 1, 64, 96, 160, 5003),
+               "tiny-gemma2": ModelShape(4, 2, 256, 128, 192, 1000, window=24, softcap=50.0)}
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}  # atol, rtol against the fp32 reference
 
 
@@ -153,6 +158,7 @@ def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny
     rows = []
     H, kvh, d = m.num_heads, m.num_kv_heads, m.head_dim
     scale = d**-0.5
+    sw = {k: v for k, v in (("window", m.window), ("softcap", m.softcap)) if v is not None}
     B, max_ctx = (3, 90) if tiny else (64, 4096)
     for bs in (16, 64, 256):
         case = f"{name} bs={bs}"
@@ -175,15 +181,15 @@ def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny
         ctx[0], ctx[-1] = 1, max_ctx
         k_cache, v_cache, bt, ctx_lens = _paged(ctx, bs, kvh, d, dtype, dev)
         q = torch.randn(B, H, d, dtype=dtype, device=dev)
-        out = tri.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, scale)
-        r32 = ref.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, ctx_lens, scale)
-        rlow = ref.paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, scale)
+        out = tri.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, scale, **sw)
+        r32 = ref.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, ctx_lens, scale, **sw)
+        rlow = ref.paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, scale, **sw)
         rows.append(_attn_row("decode", case + f" B={B} ctx<={max_ctx}", dtype, out, r32, rlow))
         # 4 sequences: 256-token partitions, up to 16 a sequence, combined by the last one to finish or by the
         # reduce kernel
         for fused in (True, False):
             out = tri.paged_decode_attention(q[-4:], k_cache, v_cache, bt[-4:], ctx_lens[-4:], scale,
-                                             fused_reduce=fused)
+                                             fused_reduce=fused, **sw)
             rows.append(_attn_row("decode", case + f" B={min(4, B)} ctx<={max_ctx} " +
                                   ("fused reduce" if fused else "reduce kernel"),
                                   dtype, out, r32[-4:], rlow[-4:]))
@@ -195,11 +201,12 @@ def check_attention(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny
         k_cache, v_cache, bt, ctx_lens = _paged([c for c, _ in seqs], bs, kvh, d, dtype, dev)
         cu = _cu([n for _, n in seqs], dev)
         q = torch.randn(int(cu[-1]), H, d, dtype=dtype, device=dev)
-        out = tri.paged_prefill_attention(q, k_cache, v_cache, cu, ctx_lens, bt, scale)
-        r32 = ref.paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu, ctx_lens, bt, scale)
-        rlow = ref.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx_lens, bt, scale)
+        out = tri.paged_prefill_attention(q, k_cache, v_cache, cu, ctx_lens, bt, scale, **sw)
+        r32 = ref.paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu, ctx_lens, bt, scale,
+                                              **sw)
+        rlow = ref.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx_lens, bt, scale, **sw)
         rows.append(_attn_row("prefill", case + f" {len(seqs)} seqs T={int(cu[-1])}", dtype, out, r32, rlow))
-        if bs == 16:
+        if bs == 16 and not sw:
             rows += _check_fp8_cache(case, k, v, slots, q, cu, ctx_lens, bt, ctx, B, H, kvh, d, scale, dtype, dev)
     return rows
 

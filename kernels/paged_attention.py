@@ -4,6 +4,9 @@ Layouts: k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a tok
 block_id * block_size + offset; block_tables [batch, max_blocks] (padding entries are ignored);
 context_lens [batch] counts every token a sequence attends to (cached prefix + this step's tokens).
 The cache is in the model's dtype or float8 e4m3fn (`--kv-cache-dtype fp8`), read back in the queries' dtype.
+window (sliding-window layers): a query at position p sees only the tokens p - window < j <= p, so blocks wholly
+before that may hold anything (the KV manager frees them). softcap (Gemma 2): scores -> softcap * tanh(scores /
+softcap) before the mask and softmax.
 """
 
 from __future__ import annotations
@@ -41,10 +44,27 @@ def _upcast(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return kv if kv.dtype == q.dtype else kv.to(q.dtype)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T scale (soft-capped), masked) v for q [..., H, Lq, d], k/v [..., kvh, Lk, d]; mask broadcasts
+    to [..., H, Lq, Lk] (True: attend)."""
+    gqa = k.shape[-3] != q.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (p @ v.float()).to(q.dtype)
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens."""
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens (the last
+    window of them for a sliding-window layer)."""
     B, H, d = q.shape
     max_len = int(context_lens.max())
     bs = k_cache.shape[1]
@@ -52,17 +72,20 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bt = block_tables[:, :nb].flatten()  # index_select: ~2x faster than advanced indexing on CPU
     k = _upcast(k_cache.index_select(0, bt).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
     v = _upcast(v_cache.index_select(0, bt).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2), q)
-    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=k.shape[1] != H)
-    return out.squeeze(2)
+    j = torch.arange(max_len, device=q.device)[None, :]
+    mask = j < context_lens[:, None]
+    if window is not None:
+        mask &= j >= context_lens[:, None] - window
+    return _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                                block_tables: torch.Tensor, scale: float, window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
     """Varlen causal attention: sequence b's queries q[cu[b]:cu[b+1]] are its last tokens and attend to
-    every cached token up to their own position (cached prefix + this chunk)."""
+    every cached token up to their own position (cached prefix + this chunk), the last window of them for a
+    sliding-window layer."""
     out = torch.empty_like(q)
     H = q.shape[1]
     cu = cu_seqlens_q.tolist()
@@ -74,11 +97,12 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = _upcast(_gather(v_cache, block_tables[b], n).transpose(0, 1), q)
         qb = q[s:e].transpose(0, 1)  # [H, qlen, d]
         gqa = k.shape[0] != H
-        if qlen == n:
+        if qlen == n and window is None and softcap is None:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # queries sit at positions n - qlen .. n - 1
-            pos_q = torch.arange(n - qlen, n, device=q.device)
-            mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            pos_q = torch.arange(n - qlen, n, device=q.device)[:, None]
+            j = torch.arange(n, device=q.device)[None, :]
+            mask = (j <= pos_q) if window is None else (j <= pos_q) & (j > pos_q - window)
+            o = _attend(qb, k, v, mask, scale, softcap)
         out[s:e] = o.transpose(0, 1)
     return out

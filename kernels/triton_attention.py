@@ -4,7 +4,9 @@ Each public function has the signature and semantics of its reference in kernels
 keyword-only launch overrides (for benchmarking) and ``out=`` (a buffer to write the result into). No call
 syncs with the host: grids depend only on tensor shapes (block_tables' width, the number of query rows and
 sequences), so the calls can be captured in CUDA graphs. Cache layout [num_blocks, block_size, kvh, d];
-any power-of-two block size; head dims that are not powers of two are padded with masks.
+any power-of-two block size; head dims that are not powers of two are padded with masks. Sliding-window layers
+(window=) read only the tiles inside each query's window (the blocks before it may have been freed); softcap=
+caps the scores with tanh (Gemma 2).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton.language as tl
 from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
 SMALL_SPLITS = 128  # batch x kv heads < 64: partitions of 64-256 tokens, about this many over the table's width
 
 
@@ -55,6 +58,22 @@ def _load_kv(ptrs, mask, dtype, HW_CVT: tl.constexpr = False):
     if HW_CVT:
         return _e4m3_to_f16(x)
     return x.to(dtype)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from the raw dots. SOFTCAP: qk_scale is the plain scale, and the scores are
+    softcap * tanh(qk * scale / softcap) (tanh from exp: saturates to +-1 without overflow trouble)."""
+    if SOFTCAP:
+        x = qk * (qk_scale / softcap)
+        return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    return qk * qk_scale
+
+
+def _score_args(scale: float, window: int | None, softcap: float | None) -> tuple[float, int, float]:
+    """The kernels' (qk_scale, window, softcap) arguments: the scale in the log2 domain unless soft-capped."""
+    assert window is None or window >= 1, window
+    return (scale if softcap else scale * _LOG2E, NO_WINDOW if window is None else window, float(softcap or 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------- store
@@ -127,10 +146,11 @@ def _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr, n_valid, row0, stride_oh, 
 
 # Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each of "== 1", "divisible by 16", "other" and stall a step on the compile).
-@triton.jit(do_not_specialize=["stride_btb", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["stride_btb", "NUM_SPLITS", "window"])
 def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
-                             qk_scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                             stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS, D: tl.constexpr,
+                             qk_scale, window, softcap, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                             stride_vb, stride_vt, stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS,
+                             SOFTCAP: tl.constexpr, D: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
                              FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -138,7 +158,8 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
     KV tile is read once per group. The group is padded to GROUP_P >= 16 rows for tl.dot. FUSED_REDUCE: the last
     partition of a (sequence, kv head) to finish (an atomic arrival count) combines the partitions' partials, so
-    no reduce kernel is launched. PDL: see triton_ops.pdl_enter."""
+    no reduce kernel is launched. PDL: see triton_ops.pdl_enter. A partition wholly before the sliding window reads
+    nothing and leaves empty partials (m = -inf, l = 0), which the combine weighs zero."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -163,14 +184,14 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(tl.maximum(start, ctx - window), end, BLOCK_N):  # the window's tokens of this partition
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
         blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         tok = offs % BLOCK_SIZE
         k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
         kt = _load_kv(kc_ptr + k_off[None, :] + d[:, None], nmask[None, :] & dmask[:, None], q.dtype)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_P, BLOCK_N], log2 domain
+        s = _scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)  # [GROUP_P, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the first tile has a valid token
         alpha = tl.exp2(m_i - m_new)
@@ -221,20 +242,22 @@ def _unused_f32(device: torch.device) -> torch.Tensor:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, softcap: float | None = None, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, maxnreg: int | None = None, fused_reduce: bool = True,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens -> [B, H, d].
+    """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens (the last window
+    of them on a sliding-window layer) -> [B, H, d].
 
     Split-KV: the context is cut into partitions of partition_size tokens (a multiple of block_n); the number of
     partitions comes from block_tables' width (no host sync), partitions past a sequence's end return at once, a
     sequence that fits one partition is finished by its partition's program, and the partials of the others are
     combined by the last of their partitions to finish (fused_reduce=False: by a second, reduce kernel). A row with
     context_len 0 gives zeros. Defaults (sweeps on an H200, bf16, mixed context lengths, block tables as wide as the
-    CUDA graphs capture them: benchmarks/decode_sweep.py): when B * kvh < 64, partitions of 64 to 256 tokens, about
+    CUDA graphs capture them; benchmarks/kernels/): when B * kvh < 64, partitions of 64 to 256 tokens, about
     SMALL_SPLITS of them over the table's width (more programs for small batches; 64 tokens for an 8192-token table:
-    +2.5% AWQ and +1% bf16 batch-1 decode on the 8B shape against 256, h200_quant.py --sections small_partition),
+    +2.5% AWQ, +1% bf16 batch-1 decode on the 8B shape against 256; docs/performance.md),
     512 below 512 programs, 2048 from there (a long partition per program when the batch alone
     fills the GPU); KV tiles of 64 tokens, 128 for head dims <= 64 or an fp8 cache; 2 pipeline stages. Over an
     fp8 cache with bf16 queries the dots run in fp16 (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster
@@ -270,9 +293,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d, group_p = triton.next_power_of_2(d), max(16, triton.next_power_of_2(group))
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
-        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        H, num_splits, D=d, GROUP=group, GROUP_P=group_p, BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
+        *_score_args(scale, window, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), H, num_splits, SOFTCAP=bool(softcap), D=d, GROUP=group, GROUP_P=group_p,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION=partition_size, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(),
@@ -303,13 +327,17 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d, dmask, stride_kb,
-                  stride_kt, stride_vb, stride_vt, kv_head_k, kv_head_v, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_HW_CVT: tl.constexpr):
-    """One KV tile of the online softmax; MASKED applies the causal mask and the context end."""
+def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_lo, kv_end, qk_scale, window, softcap, d,
+                  dmask,
+                  stride_kb, stride_kt, stride_vb, stride_vt, kv_head_k, kv_head_v, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  V_HW_CVT: tl.constexpr):
+    """One KV tile of the online softmax; MASKED applies the causal and sliding-window masks and the context end
+    (a row may then see nothing of the tile, or of the tiles so far: its maximum stays -inf and adds nothing), and
+    loads nothing outside [kv_lo, kv_end) (blocks before kv_lo may be freed: garbage times a zero weight is nan)."""
     offs = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
-        nmask = offs < kv_end
+        nmask = (offs < kv_end) & (offs >= kv_lo)
         blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         kmask = nmask[None, :] & dmask[:, None]
         vmask = nmask[:, None] & dmask[None, :]
@@ -319,12 +347,17 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
         vmask = dmask[None, :]
     tok = offs % BLOCK_SIZE
     kt = _load_kv(kc_ptr + (blk * stride_kb + tok * stride_kt + kv_head_k)[None, :] + d[:, None], kmask, q.dtype)
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    s = _scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
     if MASKED:
-        s = tl.where((offs[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
+        seen = (offs[None, :] <= q_pos[:, None]) & (offs[None, :] > q_pos[:, None] - window) & nmask[None, :]
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASKED:  # rows that saw nothing yet: exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = nan
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_kv(vc_ptr + (blk * stride_vb + tok * stride_vt + kv_head_v)[:, None] + d[None, :], vmask, q.dtype,
                  V_HW_CVT)
@@ -332,15 +365,17 @@ def _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, q
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["cu_ptr", "ctx_ptr", "bt_ptr", "stride_btb", "num_seqs"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_scale, stride_qt, stride_qh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ot,
-                    stride_oh, num_seqs, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+@triton.jit(do_not_specialize=["cu_ptr", "ctx_ptr", "bt_ptr", "stride_btb", "num_seqs", "window"])
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_scale, window, softcap, stride_qt,
+                    stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+                    stride_ot, stride_oh, num_seqs, SOFTCAP: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr):
     """One (query tile, kv head): BLOCK_M rows = BLOCK_Q query tokens x the GROUP query heads of the kv head (so
     each KV tile is read once per group), flash-attention over the sequence's cached tokens up to each row's
-    position. Tiles wholly below the first row's position skip the causal mask."""
+    position. Tiles every row sees whole (below the first row's position, inside the last row's window) skip the
+    masks; tiles before the first row's window are not read."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
@@ -368,16 +403,27 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, out_ptr, qk_
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         first_pos = ctx - qlen + t0
         kv_end = ctx - qlen + tl.minimum(t0 + BLOCK_Q, qlen)  # one past the tile's last query position
-        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles every row of this tile sees whole
-        for n0 in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
-                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_HW_CVT)
-        for n0 in range(full_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_end, qk_scale, d,
-                                          dmask, stride_kb, stride_kt, stride_vb, stride_vt, kvh * stride_kh,
-                                          kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_HW_CVT)
-        o = acc / l_i[:, None]  # every row sees position 0, so l_i > 0
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles every row of this tile sees up to its position
+        kv_lo = tl.maximum(first_pos - window + 1, 0)  # the first token the first row's window holds
+        lo = kv_lo // BLOCK_N * BLOCK_N
+        # from here on every row's window holds whole tiles (0 without a window)
+        win_full = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        for n0 in range(lo, win_full, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_lo, kv_end, qk_scale,
+                                          window, softcap, d, dmask, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, SOFTCAP,
+                                          DOT_PRECISION, V_HW_CVT)
+        for n0 in range(tl.maximum(win_full, lo), full_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_lo, kv_end, qk_scale,
+                                          window, softcap, d, dmask, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE, BLOCK_N, False, SOFTCAP,
+                                          DOT_PRECISION, V_HW_CVT)
+        for n0 in range(tl.maximum(full_end, lo), kv_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_row, n0, q_pos, kv_lo, kv_end, qk_scale,
+                                          window, softcap, d, dmask, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE, BLOCK_N, True, SOFTCAP,
+                                          DOT_PRECISION, V_HW_CVT)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i > 0 on real rows (each sees its own position)
         tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
@@ -392,11 +438,13 @@ def prefill_launch_config(head_dim: int, group: int) -> dict:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, *, block_m: int | None = None, block_n: int | None = None,
+                            scale: float, window: int | None = None, softcap: float | None = None, *,
+                            block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal attention over the paged cache: sequence b's queries q[cu[b]:cu[b+1]] are its last tokens and
-    attend to every cached token up to their own position (cached prefix + this chunk) -> [T, H, d].
+    attend to every cached token up to their own position (cached prefix + this chunk; its last window on a
+    sliding-window layer) -> [T, H, d].
 
     The grid is T // BLOCK_Q + num_seqs programs per kv head (BLOCK_Q = block_m // group query tokens a tile),
     an upper bound on the tiles the sequences need; each program finds its sequence by binary search over
@@ -422,9 +470,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _prefill_kernel[(T // block_q + num_seqs, kvh)](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, scale * _LOG2E, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs, D=d, GROUP=group,
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, *_score_args(scale, window, softcap),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_seqs,
+        SOFTCAP=bool(softcap), D=d, GROUP=group,
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(), num_warps=num_warps, **extra)

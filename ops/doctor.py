@@ -460,7 +460,8 @@ def check_plan(env: Environment, model: str | None, profile: str | None, tp: int
         report.recommendation = {"size_class": ps.size_class, "tensor_parallel_size": rec.tensor_parallel_size,
                                  "quantization": rec.quantization}
     settings = {**prof.engine, "gpu_memory_bytes": gpu_memory, "tensor_parallel_size": tp,
-                "max_model_len": max_model_len, **{k: v for k, v in overrides.items() if v is not None}}
+                "max_model_len": max_model_len, "sliding_window": m.kv_window(),
+                **{k: v for k, v in overrides.items() if v is not None}}
     plan = plan_memory(m, **settings)
     report.plan = plan
     report.remedies = remedies(m, plan, settings, prof)

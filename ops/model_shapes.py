@@ -1,4 +1,4 @@
-"""Model shapes for planning: a ModelConfig from any Llama-like config.json (MoE included) or a well-known name."""
+"""Model shapes for planning: a ModelConfig from any served config.json (MoE included) or a well-known name."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 from vserve.core.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Planned but not served (yet): their dense part is Llama-like, the MoE part is read from the raw config.
-PLANNING_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                          "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM")
+PLANNING_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -26,6 +25,9 @@ def _llama(vocab, hidden, inter, layers, heads, kv, ctx, arch="LlamaForCausalLM"
             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
             "max_position_embeddings": ctx, "torch_dtype": "bfloat16", **extra}
 
+
+_GEMMA2 = dict(tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+               final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
 
 # config.json fields of published checkpoints (the shapes the seeds and the profiles talk about).
 KNOWN_SHAPES: dict[str, dict] = {
@@ -44,6 +46,30 @@ KNOWN_SHAPES: dict[str, dict] = {
     "yi-34b": _llama(64000, 7168, 20480, 60, 56, 8, 4096),
     "mixtral-8x7b": _llama(32000, 4096, 14336, 32, 32, 8, 32768, "MixtralForCausalLM", num_local_experts=8,
                            num_experts_per_tok=2, rope_theta=1e6),
+    "deepseek-llm-7b": _llama(102400, 4096, 11008, 30, 32, 32, 4096),
+    "deepseek-llm-67b": _llama(102400, 8192, 22016, 95, 64, 8, 4096),
+    "gemma-7b": _llama(256000, 3072, 24576, 28, 16, 16, 8192, "GemmaForCausalLM", head_dim=256,
+                       tie_word_embeddings=True),
+    "gemma-2-9b": _llama(256000, 3584, 14336, 42, 16, 8, 8192, "Gemma2ForCausalLM", head_dim=256, **_GEMMA2),
+    "gemma-2-27b": _llama(256000, 4608, 36864, 46, 32, 16, 8192, "Gemma2ForCausalLM", head_dim=128,
+                          **{**_GEMMA2, "query_pre_attn_scalar": 144}),
+    "gemma-3-1b": _llama(262144, 1152, 6912, 26, 4, 1, 32768, "Gemma3ForCausalLM", head_dim=256,
+                         tie_word_embeddings=True, sliding_window=512, query_pre_attn_scalar=256,
+                         rope_local_base_freq=10000.0, rope_theta=1e6),
+    "phi-3-mini": _llama(32064, 3072, 8192, 32, 32, 32, 4096, "Phi3ForCausalLM", sliding_window=2047),
+    "phi-3-mini-128k": _llama(32064, 3072, 8192, 32, 32, 32, 131072, "Phi3ForCausalLM", sliding_window=262144,
+                              original_max_position_embeddings=4096,
+                              rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                                            "long_factor": [1.0] * 48}),
+    "phi-3-medium": _llama(32064, 5120, 17920, 40, 40, 10, 4096, "Phi3ForCausalLM", sliding_window=2047),
+    "phi-4-mini": _llama(200064, 3072, 8192, 32, 24, 8, 131072, "Phi3ForCausalLM", partial_rotary_factor=0.75,
+                         tie_word_embeddings=True),
+    "command-r-35b": _llama(256000, 8192, 22528, 40, 64, 64, 131072, "CohereForCausalLM", logit_scale=0.0625,
+                            rope_theta=8e6, tie_word_embeddings=True),
+    "command-r7b": _llama(256000, 4096, 14336, 32, 32, 8, 131072, "Cohere2ForCausalLM", logit_scale=0.25,
+                          sliding_window=4096, tie_word_embeddings=True, rope_theta=50000.0),
+    "starcoder2-15b": _llama(49152, 6144, 24576, 40, 48, 4, 16384, "Starcoder2ForCausalLM", sliding_window=4096,
+                             use_bias=True, hidden_act="gelu_pytorch_tanh", rope_theta=100000.0),
 }
 
 

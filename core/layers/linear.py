@@ -41,6 +41,8 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None and len(self.shard_sizes) > 1:
+            return self._load_fused(param, loaded)
         offset = 0
         for sid, size in self.shard_sizes.items():
             if sid == shard_id:
@@ -74,6 +76,21 @@ class Linear(nn.Module):
                                  f"tensor than the shards before it; vserve packs them and needs them equal")
             param.shared_loaded = True
         dst.copy_(loaded)
+
+    def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """A checkpoint tensor holding every shard, in order along the output dim (Phi-3's qkv_proj and
+        gate_up_proj): each shard's part goes through the per-shard path (TP slices included)."""
+        od = param.output_dim
+        if od is None or (param.scalar_ok and loaded.numel() == 1):  # one tensor for all shards: each gets it
+            for sid in self.shard_sizes:
+                self.weight_loader(param, loaded, sid)
+            return
+        full = {sid: size * self.shard_parts[sid] // param.out_pack for sid, size in self.shard_sizes.items()}
+        if loaded.shape[od] != sum(full.values()):
+            raise ValueError(f"checkpoint tensor has {loaded.shape[od]} output rows in dim {od}, expected "
+                             f"{sum(full.values())} (the fused {', '.join(map(str, full))} shards)")
+        for sid, part in zip(full, loaded.split(list(full.values()), dim=od)):
+            self.weight_loader(param, part, sid)
 
     @property
     def input_quant_dtype(self) -> torch.dtype | None:

@@ -1,4 +1,5 @@
-"""Rotary position embedding (the rotate-half layout HF checkpoints use), with llama3 and linear scaling."""
+"""Rotary position embedding: rotate-half (HF's Llama layout) or interleaved pairs (GPT-J style, Command R), over
+the whole head or its first rotary_dim dims, with linear, llama3 and longrope (Phi-3) frequency scaling."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from torch import nn
 from vserve.kernels import for_device
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq
@@ -28,19 +29,56 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+
+
+def _longrope(dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-position frequencies (short factors below original_max_position_embeddings, long
+    factors from there) [max_position, dim/2], and the attention factor cos and sin are scaled by."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** exponent)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** exponent)
+    t = torch.arange(max_position, dtype=torch.float32)[:, None]
+    # HF switches every position to the long factors once a forward sees position >= original (its cached keys
+    # keep the short ones); per position is batch-independent and identical to HF below the original length.
+    return torch.where(t < original, t * short, t * long), float(attn)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None, interleaved: bool = False) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # float32 tables; gathered per step by position and cast to the activations' dtype.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.interleaved = interleaved
+        if (scaling or {}).get("rope_type") == "longrope":
+            freqs, attn = _longrope(self.rotary_dim, theta, scaling, max_position)
+        else:
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs, attn = torch.outer(t, _inv_freq(self.rotary_dim, theta, scaling)), 1.0
+        # float32 tables [max_position, rotary_dim / 2]; gathered per step by position.
+        self.register_buffer("cos", freqs.cos() * attn, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attn, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, d], k [T, kvh, d] -> rotated copies (kernels: rotary_embedding)."""
-        return for_device(q).rotary_embedding(positions, q, k, self.cos, self.sin)
+        """q [T, H, d], k [T, kvh, d] -> rotated copies (kernels: rotary_embedding for rotate-half)."""
+        r = self.rotary_dim
+        if self.interleaved:
+            return self._interleaved(positions, q), self._interleaved(positions, k)
+        if r == q.shape[-1]:
+            return for_device(q).rotary_embedding(positions, q, k, self.cos, self.sin)
+        q_rot, k_rot = for_device(q).rotary_embedding(positions, q[..., :r], k[..., :r], self.cos, self.sin)
+        return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
+
+    def _interleaved(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """GPT-J layout: dims (2i, 2i + 1) rotate together by frequency i; in fp32, rounded once."""
+        c, s = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        r = self.rotary_dim
+        xf = x[..., :r].float()
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), -1).flatten(-2).to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), -1)

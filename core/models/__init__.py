@@ -4,7 +4,12 @@ from vserve.core.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 
 def get_model_class(config: ModelConfig):
+    from vserve.core.models.cohere import CohereForCausalLM
+    from vserve.core.models.gemma import GemmaForCausalLM
     from vserve.core.models.llama import LlamaForCausalLM
+    from vserve.core.models.phi3 import Phi3ForCausalLM
+    from vserve.core.models.starcoder2 import Starcoder2ForCausalLM
 
-    families = {"llama": LlamaForCausalLM}
+    families = {"llama": LlamaForCausalLM, "gemma": GemmaForCausalLM, "phi3": Phi3ForCausalLM,
+                "cohere": CohereForCausalLM, "starcoder2": Starcoder2ForCausalLM}
     return families[SUPPORTED_ARCHITECTURES[config.architecture]]
