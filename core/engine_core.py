@@ -19,6 +19,7 @@ import torch
 
 from vserve.core.config import EngineConfig
 from vserve.core.kv_cache import KVCacheManager
+from vserve.core.layers.rotary import longrope_offset
 from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
@@ -152,7 +153,9 @@ class EngineCore:
 
             broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len})
         # where every layer slides, blocks behind the window go back to the pool as a request moves on
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window())
+        longrope = longrope_offset(mc.rope_scaling, mc.max_position_embeddings)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window(),
+                                 longrope_original=longrope[0] if longrope else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).

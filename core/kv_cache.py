@@ -158,8 +158,11 @@ class KVCacheManager:
     without its hybrid allocator: a model with any full-attention layer keeps every block)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, longrope_original: int | None = None) -> None:
         self.block_size = block_size
+        # LongRoPE (Phi-3): a prompt longer than this rotates every key with the long factors, a shorter one its first
+        # keys with the short ones, so their blocks must never be shared: the long ones hash with an extra key
+        self.longrope_original = longrope_original
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.num_released: dict[str, int] = {}  # leading blocks of a request released (out of the window)
@@ -177,6 +180,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             # The salt keys the first block; the chain carries it to every later one.
             extra = (req.cache_salt,) if i == 0 and req.cache_salt is not None else ()
+            if i == 0 and self.longrope_original is not None and req.num_prompt_tokens > self.longrope_original:
+                extra += ("longrope-long",)
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:

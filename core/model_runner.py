@@ -10,6 +10,7 @@ import torch
 
 from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, get_rank, get_tp_size, isend, recv
 from vserve.core.layers.attention import AttentionMetadata
+from vserve.core.layers.rotary import longrope_offset
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
 from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
@@ -68,6 +69,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.longrope = longrope_offset(model_config.rope_scaling, model_config.max_position_embeddings)
         with startup.phase("kv cache"):
             self.bind_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
@@ -172,6 +174,11 @@ class ModelRunner:
         for i, blocks in enumerate(block_ids):
             table[i, :len(blocks)] = blocks
         slots = table[seq_of_token, pos // bs] * bs + pos % bs
+        if self.longrope is not None:  # tokens of prompts longer than LongRoPE's original length: the long factors
+            original, offset = self.longrope
+            long_prompt = np.fromiter((r.num_prompt_tokens > original for r in reqs), bool, len(reqs))
+            if long_prompt.any():
+                pos = pos + np.where(long_prompt[seq_of_token] & (pos < original), offset, 0)
         t = torch.from_numpy
         step = StepInputs(t(input_ids), t(pos), t(slots), t(table), t(context_lens), num_decodes, t(cu_seqlens),
                           t(np.ascontiguousarray(sample_rows, dtype=np.int64)))

@@ -149,3 +149,28 @@ def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tmp_path, prompts, 16), f"model seed {seed}"
+
+
+def test_longrope_prompts_longer_than_the_original_length_match_hf(default_model_dir, tmp_path):
+    """Phi-3's LongRoPE past original_max_position_embeddings (48 here): HF runs a prompt longer than that with the
+    long factors at every position, a shorter one with the short factors; vserve gives such prompts' tokens the long
+    factors below 48 too (ModelRunner's row offset), under chunked prefill, and never shares prefix-cache blocks
+    between the two kinds (a long prompt sharing its first 40 tokens with a short one, run before it and after)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    build_tiny(tmp_path, "Phi3Config", dict(
+        original_max_position_embeddings=48,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
+                      "long_factor": [3.0 + 2 * i for i in range(8)]}), seed, default_model_dir)
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, TINY["vocab_size"]) for _ in range(40)]
+    short, long = shared + [rng.randrange(3, 49152) for _ in range(1)], shared + [rng.randrange(3, 49152)
+                                                                               for _ in range(50)]
+    others = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (5, 20, 60, 90)]
+    new = 7  # the short prompts stay within 48 tokens (crossing it while decoding: docs/models.md)
+    expected = hf_greedy(tmp_path, [long, short, *others], new)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=16, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate([long], params)]
+    rest = [o.outputs[0].token_ids for o in llm.generate([short, *others, long], params)]
+    assert first + rest[:-1] == expected and rest[-1] == expected[0], f"model seed {seed}"
+    assert rest[-1] and llm.llm_engine.core.kv.prefix_cache_hits > 0  # the long prompt's second run hit its blocks

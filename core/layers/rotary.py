@@ -44,9 +44,21 @@ def _longrope(dim: int, theta: float, scaling: dict, max_position: int) -> tuple
     short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** exponent)
     long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** exponent)
     t = torch.arange(max_position, dtype=torch.float32)[:, None]
-    # HF switches every position to the long factors once a forward sees position >= original (its cached keys
-    # keep the short ones); per position is batch-independent and identical to HF below the original length.
-    return torch.where(t < original, t * short, t * long), float(attn)
+    # HF picks the factors per forward: long once the sequence is longer than the original length (its cached keys
+    # keep the ones they were computed with). So a token at position p takes the long factors when p >= original or
+    # when its prompt is longer than original (the prompt's one forward in HF). Rows [0, max_position): short below
+    # original, long from there; rows max_position + p (p < original): long, for the tokens of such prompts
+    # (ModelRunner offsets their positions: longrope_offset).
+    first = torch.arange(min(original, max_position), dtype=torch.float32)[:, None]
+    return torch.cat((torch.where(t < original, t * short, t * long), first * long)), float(attn)
+
+
+def longrope_offset(scaling: dict | None, max_position: int) -> tuple[int, int] | None:
+    """(original length, row offset) of a LongRoPE table (see _longrope), None for other RoPE types: a token at
+    position p < original whose prompt is longer than original reads row p + offset."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return None
+    return scaling["original_max_position_embeddings"], max_position
 
 
 class RotaryEmbedding(nn.Module):
