@@ -170,12 +170,14 @@ def server_factory():
         s.stop()
 
 
-def _hf_greedy(folder, prompts, new_tokens: int) -> list[list[int]]:
-    """HF transformers greedy `generate`, one prompt at a time (no padding in the reference), eos disabled."""
+def _hf_greedy(folder, prompts, new_tokens: int, attn_implementation: str | None = None) -> list[list[int]]:
+    """HF transformers greedy `generate`, one prompt at a time (no padding in the reference), eos disabled;
+    attn_implementation "eager" where only that one has the model's attention (Gemma 2's softcap)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
     outs = []
     with torch.inference_mode():
         for p in prompts:  # one at a time: no padding in the reference
@@ -184,6 +186,13 @@ def _hf_greedy(folder, prompts, new_tokens: int) -> list[list[int]]:
                                  min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def assert_same_tokens(got: list[list[int]], expected: list[list[int]], prompts, note: str = "") -> None:
+    """Each prompt's tokens equal the reference's; else where they first differ."""
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        first_diff = next((j for j in range(len(e)) if j >= len(g) or g[j] != e[j]), None)
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) diverges at token {first_diff} {note}"
 
 
 @pytest.fixture(scope="session")

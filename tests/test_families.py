@@ -8,6 +8,7 @@ import random
 import shutil
 
 import pytest
+from conftest import assert_same_tokens
 
 from vserve import LLM, SamplingParams
 
@@ -67,18 +68,9 @@ def build_tiny(folder, cls_name: str, overrides: dict, seed: int, tokenizer_dir)
 
 def hf_greedy(folder, prompts, new_tokens: int) -> list[list[int]]:
     """HF `generate` with eager attention (Gemma 2's softcap exists only there), one prompt at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from conftest import _hf_greedy
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return _hf_greedy(folder, prompts, new_tokens, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +110,7 @@ def test_greedy_matches_hf(references, family, setting):
     llm = LLM(str(folder), dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=caching,
               **extra)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    got = [o.outputs[0].token_ids for o in outs]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        first_diff = next((j for j in range(len(e)) if j >= len(g) or g[j] != e[j]), None)
-        assert g == e, f"prompt {i} (len {len(prompts[i])}) diverges at token {first_diff} (model seed {seed})"
+    assert_same_tokens([o.outputs[0].token_ids for o in outs], expected, prompts, f"(model seed {seed})")
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
     if setting == "bs16-chunked-preempt":

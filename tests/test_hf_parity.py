@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from conftest import assert_same_tokens
 
 from vserve import LLM, SamplingParams
 
@@ -57,10 +58,7 @@ def test_greedy_matches_hf(references, family, setting):
     llm = LLM(str(folder), dtype="float32", device="cpu", block_size=block_size,
               enable_prefix_caching=caching, **extra)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    got = [o.outputs[0].token_ids for o in outs]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        first_diff = next((j for j in range(len(e)) if j >= len(g) or g[j] != e[j]), None)
-        assert g == e, f"prompt {i} (len {len(prompts[i])}) diverges at token {first_diff}"
+    assert_same_tokens([o.outputs[0].token_ids for o in outs], expected, prompts)
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
     if setting == "bs16-chunked-preempt":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import sys
 from functools import partial
@@ -48,19 +47,15 @@ REDUCE_GRID = [dict(partition_size=p, fused_reduce=f) for p in (512, 1024, 2048)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-dtypes", default="bf16,fp8")
     ap.add_argument("--grid", choices=("full", "small", "reduce"), default="full")
     ap.add_argument("--cases", default="240:400:1400,64:900:1800", help="B:lo:hi, comma-separated")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny heads and contexts on the CPU, TRITON_INTERPRET=1")
-    args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        torch.set_num_threads(1)
-    elif not torch.cuda.is_available():
-        print("decode_sweep.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    from timing import parse_args
+
+    args = parse_args(ap, argv, "tiny heads and contexts on the CPU, TRITON_INTERPRET=1")
+    if args is None:
         return 2
     from timing import smoke_iters, time_ms
 

@@ -9,7 +9,10 @@ On the CPU (the --cpu-smoke runs, kernels under TRITON_INTERPRET=1) the calls ar
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -76,3 +79,18 @@ def time_ms(fn: Callable[..., object], device: str | torch.device, inputs: Seque
 def smoke_iters(cpu_smoke: bool) -> dict:
     """time_ms's keywords for a --cpu-smoke run: one call of each, untimed but for the check that it runs."""
     return dict(iters=1, repeats=1, warmup=0) if cpu_smoke else {}
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None, cpu_help: str) -> argparse.Namespace | None:
+    """ap's arguments plus --out and --cpu-smoke (cpu_help): under --cpu-smoke the kernels run interpreted on one
+    thread (TRITON_INTERPRET set before triton is imported); without it, None (and a message) where no GPU is."""
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cpu-smoke", action="store_true", help=cpu_help)
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        print(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return None
+    return args

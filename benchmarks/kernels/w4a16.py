@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -154,17 +153,13 @@ def time_rows(dev: str, shapes, rows, dtype, cold_bytes: int, grid_size: int | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M, comma-separated")
     ap.add_argument("--grid", action="store_true", help="also time the launch grid of each row count's path")
     ap.add_argument("--cold-mib", type=int, default=256, help="weight copies cycled per timed pass (0: one, hot)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        torch.set_num_threads(1)
-    elif not torch.cuda.is_available():
-        print("w4a16.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    from timing import parse_args
+
+    args = parse_args(ap, argv, "tiny shapes on the CPU under TRITON_INTERPRET=1")
+    if args is None:
         return 2
     from timing import smoke_iters
 

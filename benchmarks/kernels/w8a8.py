@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -180,17 +179,13 @@ def table_source(table: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M timed, comma-separated")
     ap.add_argument("--tune", action="store_true", help="tune the FP8 split-K table (scaled_mm.FP8_SPLITK)")
     ap.add_argument("--cold-mib", type=int, default=256, help="weight copies cycled per timed pass (0: one, hot)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        torch.set_num_threads(1)
-    elif not torch.cuda.is_available():
-        print("w8a8.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    from timing import parse_args
+
+    args = parse_args(ap, argv, "tiny shapes on the CPU under TRITON_INTERPRET=1")
+    if args is None:
         return 2
     from timing import smoke_iters
 
