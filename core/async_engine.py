@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from vserve.core.config import EngineConfig
-from vserve.core.core_client import InprocClient, ProcClient, use_engine_process
+from vserve.core.core_client import InprocClient, start_core
 from vserve.core.engine_core import CoreStats, EngineStats, encode_request
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
@@ -148,21 +147,11 @@ class AsyncLLM:
         self._reason = ""
         self._closing = False
         self._num_sent = 0
-        start = time.perf_counter()
-        if use_engine_process(config, serving=True):
-            self.client = ProcClient(config)
-            try:
-                processor = InputProcessor.from_config(config)
-                own = time.perf_counter() - start
-                self.client.wait_ready()
-            except BaseException:
-                self.client.kill()
-                raise
-            startup.PHASES["engine process"] = time.perf_counter() - start - own  # the wait beyond our own loading
+        self.client, processor, waited = start_core(config, serving=True)
+        if waited is not None:
+            startup.PHASES["engine process"] = waited  # the wait beyond our own loading
             self.pid = self.client.pid
         else:
-            processor = InputProcessor.from_config(config)
-            self.client = InprocClient(config)
             self.pid = None
             log.info("engine loop on a thread of the server process")
         self.engine = EngineView(processor)

@@ -19,10 +19,14 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from vserve.core.config import EngineConfig
 from vserve.core.engine_core import CoreInfo, EngineCore, decode_request
 from vserve.ops import startup
+
+if TYPE_CHECKING:
+    from vserve.core.processor import InputProcessor
 
 log = logging.getLogger("vserve.engine")
 
@@ -255,6 +259,27 @@ class ProcClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+
+
+def start_core(config: EngineConfig, serving: bool) -> tuple[InprocClient | ProcClient, InputProcessor, float | None]:
+    """The core's client and this process's InputProcessor, and the seconds spent waiting for an engine process
+    beyond this process's own loading (None: the core runs here). The engine process is spawned first, so this
+    process loads its tokenizer while that one imports torch and loads the weights."""
+    from vserve.core.processor import InputProcessor
+
+    if not use_engine_process(config, serving):
+        processor = InputProcessor.from_config(config)
+        return InprocClient(config), processor, None
+    start = time.perf_counter()
+    client = ProcClient(config)
+    try:
+        processor = InputProcessor.from_config(config)
+        own = time.perf_counter() - start
+        client.wait_ready()
+    except BaseException:
+        client.kill()
+        raise
+    return client, processor, time.perf_counter() - start - own
 
 
 def use_engine_process(config: EngineConfig, serving: bool) -> bool:

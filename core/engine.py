@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from vserve.core.config import EngineConfig
-from vserve.core.core_client import InprocClient, ProcClient, use_engine_process
+from vserve.core.core_client import ProcClient, start_core
 from vserve.core.engine_core import CoreInfo, CoreStats, EngineCore, EngineStats, encode_request
 from vserve.core.output_processor import OutputProcessor, RequestState
-from vserve.core.processor import InputProcessor
 from vserve.core.request import Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
 from vserve.ops import startup
@@ -29,18 +28,7 @@ class LLMEngine:
         with startup.phase("resolve model"):
             config = resolve_model_files(config)  # hub ids -> cached snapshot paths, once for both halves
         self.config = config
-        if use_engine_process(config, serving=False):
-            # The engine process first: it imports torch and loads the weights while this process loads the tokenizer.
-            self.client = ProcClient(config)
-            try:
-                self.processor = InputProcessor.from_config(config)
-                self.client.wait_ready()
-            except BaseException:
-                self.client.kill()
-                raise
-        else:
-            self.processor = InputProcessor.from_config(config)
-            self.client = InprocClient(config)
+        self.client, self.processor, _ = start_core(config, serving=False)
         self.info: CoreInfo = self.client.info
         self.tokenizer = self.processor.tokenizer
         self.model_config = self.processor.model_config
