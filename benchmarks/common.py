@@ -37,6 +37,9 @@ GEMMA2_9B = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab
                  sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                  final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
                  bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16")
+# Gemma-2-2B: the float32 correctness check's Gemma-2 (the 9B in float32 twice, HF beside vserve, exceeds an 80 GB card)
+GEMMA2_2B = dict(GEMMA2_9B, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                 num_key_value_heads=4)
 PHI3_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
                  intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,

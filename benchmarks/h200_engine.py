@@ -9,7 +9,7 @@ weights, and beside the CPU float32 path on the embedded SmolLM2. Run on the H20
   two candidates there (random weights make near-ties common: bf16 divergences at gaps below bf16's resolution are
   rounding, not a bug).
 - correct32: the same in float32 (TF32 off), where rounding noise is ~1e-6 of a logit: the tokens should be equal.
-  --shapes 8b,gemma2_9b,phi3_mini runs both for each shape (Gemma-2-9B, Phi-3-mini-128k: issue #25).
+  --shapes 8b,gemma2_9b,gemma2_2b,phi3_mini runs both for each shape (Gemma-2-9B/2B, Phi-3-mini-128k: issue #25).
 - smollm2: the embedded SmolLM2 (VSERVE_SMOLLM2_GGUF, else the default model) in bf16 on the GPU, greedy, against
   the CPU float32 tokens of smollm2_cpu_reference.json (on the CPU, float32: they should be equal).
 Throughput rows are h200_rows.py's (through the CLI); this script only compares tokens. JSON: OUT/h200_engine.json.
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from common import (  # benchmarks/ is sys.path[0]
+    GEMMA2_2B,
     GEMMA2_9B,
     LLAMA3_8B,
     PHI3_MINI,
@@ -38,7 +39,7 @@ from common import (  # benchmarks/ is sys.path[0]
     workload,
 )
 
-SHAPES = {"8b": LLAMA3_8B, "gemma2_9b": GEMMA2_9B, "phi3_mini": PHI3_MINI}
+SHAPES = {"8b": LLAMA3_8B, "gemma2_9b": GEMMA2_9B, "gemma2_2b": GEMMA2_2B, "phi3_mini": PHI3_MINI}
 
 REFERENCE = Path(__file__).parent / "smollm2_cpu_reference.json"
 
