@@ -19,32 +19,29 @@ class ReasoningParser:
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer  # unused: the markers are found in text
-        self._text = ""
-        self._reasoning_sent = 0
-        self._content_sent = 0
-        self._reasoning_ended = False
+        self._text = ""  # the streamed text not yet decided
+        self._phase = "start"  # start (undecided) -> reasoning -> content, or start -> content
+        self._reasoning_started = False
+        self._held_newlines = ""
+        self._content_newlines_dropped = True  # after </think>: False until the content's leading newlines are gone
 
-    def _split(self, text: str, final: bool) -> tuple[str, str | None]:
-        """(reasoning, content) decided so far, markers removed; content is None until the reasoning has ended."""
+    def _start(self, text: str, final: bool) -> tuple[str, int] | None:
+        """The phase the output opens in and where it starts, None while undecided."""
         raise NotImplementedError
 
-    def _split_think(self, text: str, final: bool) -> tuple[str, str | None]:
-        """Reasoning up to `</think>` (without it: all of `text`), a leading `<think>` removed."""
+    def _think_start(self, text: str, final: bool) -> int | None:
+        """Where the reasoning starts if `text` opens with `<think>` (else -1), None while that is undecided."""
         stripped = text.lstrip()
         if stripped.startswith(THINK_START):
-            text = stripped[len(THINK_START) :]
-        elif not final and THINK_START.startswith(stripped):
-            return "", None
-        end = text.find(THINK_END)
-        if end == -1:
-            reasoning = text if final else text[: len(text) - partial_marker_len(text, THINK_END)]
-            return reasoning.strip("\n"), None
-        return text[:end].strip("\n"), text[end + len(THINK_END) :].lstrip("\n")
+            return len(text) - len(stripped) + len(THINK_START)
+        return None if not final and THINK_START.startswith(stripped) else -1
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole response; either is None when empty."""
-        reasoning, content = self._split(text, final=True)
-        return reasoning or None, content or None
+        parser = type(self)(self.tokenizer)
+        parser._text = text
+        delta = parser._emit(final=True) or DeltaMessage()
+        return delta.reasoning, delta.content
 
     def extract_reasoning_streaming(self, delta_text: str) -> DeltaMessage | None:
         """Feed the next text delta; returns what to send for it, None when nothing is decided yet."""
@@ -57,38 +54,64 @@ class ReasoningParser:
 
     def is_reasoning_end(self) -> bool:
         """Whether the streamed text has left the reasoning: structured output applies from here on."""
-        return self._reasoning_ended
+        return self._phase == "content"
 
     def _emit(self, final: bool) -> DeltaMessage | None:
-        reasoning, content = self._split(self._text, final)
-        self._reasoning_ended = content is not None
-        content = content or ""
-        new_reasoning, new_content = reasoning[self._reasoning_sent :], content[self._content_sent :]
-        self._reasoning_sent, self._content_sent = len(reasoning), len(content)
-        if not new_reasoning and not new_content:
+        text, pos = self._text, 0
+        reasoning = content = ""
+        if self._phase == "start":
+            opening = self._start(text, final)
+            if opening is None:
+                return None
+            self._phase, pos = opening
+        if self._phase == "reasoning":
+            end = text.find(THINK_END, pos)
+            if end == -1:
+                stop = len(text) if final else len(text) - partial_marker_len(text[pos :], THINK_END)
+                reasoning, pos = text[pos : stop], stop
+            else:
+                reasoning, pos = text[pos : end], end + len(THINK_END)
+                self._phase, self._content_newlines_dropped = "content", False
+            reasoning = self._strip_reasoning(reasoning, final or self._phase == "content")
+        if self._phase == "content":
+            content, pos = text[pos :], len(text)
+            if not self._content_newlines_dropped:
+                content = content.lstrip("\n")
+                self._content_newlines_dropped = bool(content)
+        self._text = text[pos:]  # keep only the undecided text
+        if not reasoning and not content:
             return None
-        return DeltaMessage(content=new_content or None, reasoning=new_reasoning or None)
+        return DeltaMessage(content=content or None, reasoning=reasoning or None)
+
+    def _strip_reasoning(self, reasoning: str, ended: bool) -> str:
+        """Leading newlines dropped; trailing newlines held until more reasoning follows (dropped at its end)."""
+        if not self._reasoning_started:
+            reasoning = reasoning.lstrip("\n")
+            self._reasoning_started = bool(reasoning)
+        reasoning = self._held_newlines + reasoning
+        shown = reasoning.rstrip("\n")
+        self._held_newlines = "" if ended else reasoning[len(shown) :]
+        return shown
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1 (and Qwen3-Thinking-2507, QwQ): the chat template opens `<think>` in the prompt, so the output is
     reasoning until `</think>` (a `<think>` the model writes itself is dropped); without `</think>`, all reasoning."""
 
-    def _split(self, text, final):
-        return self._split_think(text, final)
+    def _start(self, text, final):
+        start = self._think_start(text, final)
+        return None if start is None else ("reasoning", max(start, 0))
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     """Qwen3: the output opens with `<think>` when thinking; without it (enable_thinking=False) it is all content.
     A `<think>` with no `</think>` (generation stopped) is all reasoning."""
 
-    def _split(self, text, final):
-        stripped = text.lstrip()
-        if stripped.startswith(THINK_START):
-            return self._split_think(text, final)
-        if not final and THINK_START.startswith(stripped):
-            return "", None
-        return "", text
+    def _start(self, text, final):
+        start = self._think_start(text, final)
+        if start is None:
+            return None
+        return ("reasoning", start) if start >= 0 else ("content", 0)
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

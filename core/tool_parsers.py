@@ -67,6 +67,8 @@ def make_tool_call_id() -> str:
 
 def partial_marker_len(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker` (held back while streaming)."""
+    if marker[0] not in text[-len(marker) + 1 :]:
+        return 0
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:n]):
             return n
@@ -102,19 +104,24 @@ class ToolParser:
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer  # unused: every format here is parsed from text
-        self._text = ""
-        self._content_sent = 0
+        self._text = ""  # the streamed text not yet decided
+        self._at_start = True  # whether self._text is the start of the output
+        self._rest_is_content = False
         self._calls_sent = 0
+        self._content_started = False
+        self._held_whitespace = ""
 
-    def _parse(self, text: str, final: bool) -> list[Item]:
-        """The decided part of `text`, in order. With final=False, leave out anything later text could change."""
+    def _parse(self, text: str, final: bool, at_start: bool) -> tuple[list[Item], int | None]:
+        """The decided items of `text` in order, and where the undecided rest starts (None: all later text is
+        content). With final=False, leave out anything later text could change. `text` is the whole output when
+        `at_start`, else what followed the end of an earlier parse."""
         raise NotImplementedError
 
     def _make_id(self) -> str:
         return make_tool_call_id()
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        items = self._parse(text, final=True)
+        items, _ = self._parse(text, final=True, at_start=True)
         calls = [ToolCall(name, args, self._make_id()) for name, args in (i for i in items if isinstance(i, tuple))]
         content = "".join(i for i in items if isinstance(i, str)).strip()
         return ExtractedToolCalls(tools_called=bool(calls), tool_calls=calls, content=content or None)
@@ -129,21 +136,36 @@ class ToolParser:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> DeltaMessage | None:
-        items = self._parse(self._text, final)
-        # Leading and trailing whitespace of the content is dropped, as extract_tool_calls does: trailing
-        # whitespace is held until text follows it.
-        content = "".join(i for i in items if isinstance(i, str)).strip()
-        new_content = content[self._content_sent :]
-        self._content_sent = len(content)
+        # Only the undecided text is kept and parsed again, so a delta costs its own length, not the response's.
+        if self._rest_is_content:
+            items: list[Item] = [self._text]
+            self._text = ""
+        else:
+            items, resume = self._parse(self._text, final, self._at_start)
+            self._rest_is_content = resume is None
+            resume = len(self._text) if resume is None else resume
+            if resume:
+                self._text, self._at_start = self._text[resume:], False
         deltas = []
-        calls = [i for i in items if isinstance(i, tuple)]
-        for index in range(self._calls_sent, len(calls)):
-            name, args = calls[index]
+        for name, args in (i for i in items if isinstance(i, tuple)):
+            index = self._calls_sent
             deltas += [DeltaToolCall(index, self._make_id(), name, ""), DeltaToolCall(index, arguments=args)]
-        self._calls_sent = len(calls)
-        if not new_content and not deltas:
+            self._calls_sent += 1
+        content = self._strip_content("".join(i for i in items if isinstance(i, str)), final)
+        if not content and not deltas:
             return None
-        return DeltaMessage(content=new_content or None, tool_calls=deltas)
+        return DeltaMessage(content=content or None, tool_calls=deltas)
+
+    def _strip_content(self, content: str, final: bool) -> str:
+        """The content stripped as extract_tool_calls strips it: leading whitespace dropped, trailing whitespace
+        held until text follows it (dropped at the end)."""
+        if not self._content_started:
+            content = content.lstrip()
+            self._content_started = bool(content)
+        content = self._held_whitespace + content
+        shown = content.rstrip()
+        self._held_whitespace = "" if final else content[len(shown) :]
+        return shown
 
 
 class _MarkedToolParser(ToolParser):
@@ -156,19 +178,19 @@ class _MarkedToolParser(ToolParser):
         None while undecided."""
         raise NotImplementedError
 
-    def _parse(self, text: str, final: bool) -> list[Item]:
+    def _parse(self, text, final, at_start):
         items: list[Item] = []
         pos = 0
         while True:
             start = text.find(self.start, pos)
             if start == -1:
-                tail = text[pos:]
-                items.append(tail if final else tail[: len(tail) - partial_marker_len(tail, self.start)])
-                return items
+                end = len(text) if final else len(text) - partial_marker_len(text[pos:], self.start)
+                items.append(text[pos:end])
+                return items, end
             items.append(text[pos:start])
             block = self._parse_block(text, start + len(self.start), final)
             if block is None:
-                return items
+                return items, start
             calls, pos = block
             if calls is None:
                 items.append(text[start:pos])
@@ -237,33 +259,36 @@ class Llama3JsonToolParser(ToolParser):
 
     python_tag = "<|python_tag|>"
 
-    def _parse(self, text, final):
-        stripped = text.lstrip()
-        pos = len(text) - len(stripped)
-        if stripped.startswith(self.python_tag):
-            pos += len(self.python_tag)
-        elif not final and self.python_tag.startswith(stripped):
-            return []
-        pos = _skip_ws(text, pos)
-        if pos == len(text):
-            return [] if not final else [text]
+    def _parse(self, text, final, at_start):
+        pos = 0  # at the start of the output, or right after a call
+        if at_start:
+            stripped = text.lstrip()
+            if stripped.startswith(self.python_tag):
+                pos = len(text) - len(stripped) + len(self.python_tag)
+            elif not final and self.python_tag.startswith(stripped):
+                return [], 0
         items: list[Item] = []
         content_from = 0
-        while text[pos] == "{":
+        pos = _skip_ws(text, pos)
+        while True:
+            if not at_start and pos < len(text) and text[pos] == ";":
+                pos = _skip_ws(text, pos + 1)
+            if pos == len(text):
+                if not final:
+                    return items, content_from
+                return ([text], None) if at_start else (items, len(text))
+            if text[pos] != "{":
+                return [*items, text[content_from:]], None
             try:
                 obj, end = _DECODER.raw_decode(text, pos)
             except json.JSONDecodeError:
-                return items if not final else [*items, text[content_from:]]
+                return (items, content_from) if not final else ([*items, text[content_from:]], None)
             call = _call(obj, ("parameters", "arguments"), args_required=True)
             if call is None:
-                break
+                return [*items, text[content_from:]], None
             items.append(call)
-            content_from = pos = _skip_ws(text, end)
-            if pos < len(text) and text[pos] == ";":
-                pos = _skip_ws(text, pos + 1)
-            if pos == len(text):
-                return items
-        return [*items, text[content_from:]]
+            content_from, at_start = end, False
+            pos = _skip_ws(text, end)
 
 
 def _literal(node: ast.AST):
@@ -317,24 +342,27 @@ class PythonicToolParser(ToolParser):
         after = rest[name.end() :].lstrip()
         return not after or after[0] == "("
 
-    def _parse(self, text, final):
+    def _parse(self, text, final, at_start):
+        # Only the start is ever parsed: once undecided text is decided, it is all calls or all content.
+        if not self._may_be_calls(text):
+            return [text], None
         if not final:
-            return [] if self._may_be_calls(text) else [text]
+            return [], 0
         try:
             tree = ast.parse(text.strip(), mode="eval").body
             if not isinstance(tree, ast.List) or not tree.elts:
-                return [text]
+                return [text], None
             calls: list[Item] = []
             for node in tree.elts:
                 if not isinstance(node, ast.Call) or node.args or _call_name(node.func) is None:
-                    return [text]
+                    return [text], None
                 if any(kw.arg is None for kw in node.keywords):  # **kwargs
-                    return [text]
+                    return [text], None
                 args = {kw.arg: _literal(kw.value) for kw in node.keywords}
                 calls.append((_call_name(node.func), json.dumps(args, ensure_ascii=False)))
-            return calls
-        except (SyntaxError, ValueError, RecursionError):
-            return [text]
+            return calls, len(text)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # MemoryError: too deeply nested for CPython
+            return [text], None
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

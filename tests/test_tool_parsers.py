@@ -158,6 +158,13 @@ def test_stream_reassembles_to_extract_tool_calls(parser_name, text, expected_ca
     assert all(re.fullmatch(id_format, c["id"]) for c in calls)
 
 
+@pytest.mark.parametrize("parser_name", sorted(TOOL_PARSERS))
+def test_long_plain_text_is_content(parser_name):
+    text = "word " * 5000  # CPython's parser runs out of memory on this as an expression: pythonic must not crash
+    assert TOOL_PARSERS[parser_name]().extract_tool_calls(text).content == text.strip()
+    assert stream(TOOL_PARSERS[parser_name](), fragments(text, 1)) == ([], text.strip())
+
+
 def test_hermes_call_is_sent_as_name_then_arguments():
     parser = HermesToolParser()
     assert parser.extract_tool_calls_streaming("Checking.\n<tool_call>\n").content == "Checking."
