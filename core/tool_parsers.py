@@ -17,7 +17,15 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-_DECODER = json.JSONDecoder()
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# NaN and Infinity are not JSON: a call carrying them would be re-encoded into arguments no client can parse.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+# What decoding a model's JSON can raise: ValueError (JSONDecodeError, too many digits), RecursionError (too deep).
+_JSON_ERRORS = (ValueError, RecursionError)
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -91,8 +99,8 @@ def _call(obj, arg_keys: tuple[str, ...], args_required: bool = False) -> tuple[
     args = {} if key is None else obj[key]
     if isinstance(args, str):  # some models send the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = _DECODER.decode(args)
+        except _JSON_ERRORS:
             return None
     if not isinstance(args, dict):
         return None
@@ -212,8 +220,8 @@ class HermesToolParser(_MarkedToolParser):
             return None
         body, block_end = (text[pos:], len(text)) if end == -1 else (text[pos:end], end + len(self.end))
         try:
-            call = _call(json.loads(body), ("arguments", "parameters"))
-        except json.JSONDecodeError:
+            call = _call(_DECODER.decode(body), ("arguments", "parameters"))
+        except _JSON_ERRORS:
             call = None
         return (None if call is None else [call]), block_end
 
@@ -247,7 +255,7 @@ class MistralToolParser(_MarkedToolParser):
     def _decoded(text, pos, final, to_calls):
         try:
             obj, end = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except _JSON_ERRORS:
             return (None, len(text)) if final else None
         calls = to_calls(obj)
         return (None if not calls or None in calls else calls), end
@@ -281,7 +289,7 @@ class Llama3JsonToolParser(ToolParser):
                 return [*items, text[content_from:]], None
             try:
                 obj, end = _DECODER.raw_decode(text, pos)
-            except json.JSONDecodeError:
+            except _JSON_ERRORS:
                 return (items, content_from) if not final else ([*items, text[content_from:]], None)
             call = _call(obj, ("parameters", "arguments"), args_required=True)
             if call is None:

@@ -44,6 +44,10 @@ CASES = [
     ("hermes", f'<tool_call>\n{{"arguments": {json.dumps(NESTED_ARGS)}, "name": "search"}}\n</tool_call>',
      [("search", NESTED_ARGS)], None),
     ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}', [("get_time", {})], None),  # stopped early
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>',
+     [], '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 3000 + "</tool_call>",
+     [], '<tool_call>{"name": "f", "arguments": ' + "[" * 3000 + "</tool_call>"),
     ("hermes", "Wrap calls in <tool_ tags", [], "Wrap calls in <tool_ tags"),
     ("hermes", "It ends with <tool_", [], "It ends with <tool_"),
     # llama3_json: Llama 3.1+
@@ -58,6 +62,8 @@ CASES = [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}',
      [], '{"name": "get_weather", "parameters": {"city": "Paris"}'),
     ("llama3_json", '{"answer": 42}', [], '{"answer": 42}'),
+    ("llama3_json", '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}",
+     [], '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}"),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}\nLet me know if that helps.',
      [("get_weather", {"city": "Paris"})], "Let me know if that helps."),
     ("llama3_json", f'{{"name": "lookup", "parameters": {json.dumps(UNICODE_ARGS, ensure_ascii=False)}}}',
