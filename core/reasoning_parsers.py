@@ -67,14 +67,14 @@ class ReasoningParser:
         if self._phase == "reasoning":
             end = text.find(THINK_END, pos)
             if end == -1:
-                stop = len(text) if final else len(text) - partial_marker_len(text[pos :], THINK_END)
-                reasoning, pos = text[pos : stop], stop
+                stop = len(text) if final else len(text) - partial_marker_len(text[pos:], THINK_END)
+                reasoning, pos = text[pos:stop], stop
             else:
-                reasoning, pos = text[pos : end], end + len(THINK_END)
+                reasoning, pos = text[pos:end], end + len(THINK_END)
                 self._phase, self._content_newlines_dropped = "content", False
             reasoning = self._strip_reasoning(reasoning, final or self._phase == "content")
         if self._phase == "content":
-            content, pos = text[pos :], len(text)
+            content, pos = text[pos:], len(text)
             if not self._content_newlines_dropped:
                 content = content.lstrip("\n")
                 self._content_newlines_dropped = bool(content)
