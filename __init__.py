@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 _ROOT = _Path(__file__).resolve().parent
 _sys.path[:] = [p for p in _sys.path if _Path(p or ".").resolve() != _ROOT]
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "StructuredOutputsParams",
+           "GuidedDecodingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -31,6 +32,10 @@ def __getattr__(name: str):
         from vserve.core import request
 
         return getattr(request, name)
+    if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
+        from vserve.core import structured_output
+
+        return getattr(structured_output, name)
     if name == "EngineConfig":
         from vserve.core.config import EngineConfig
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from vserve import SamplingParams  # a plain dataclass module: no torch
+from vserve import SamplingParams, StructuredOutputsParams  # plain dataclass modules: no torch
 from vserve.cli.engine_args import build_llm, engine_command
 from vserve.ops.jsonl import jsonl_objects
 
@@ -19,6 +19,20 @@ Message = dict[str, str]
 Item = str | list[Message]  # a prompt, or a conversation for --chat
 console = Console(highlight=False)
 _SP = SamplingParams()
+
+
+def read_schema(path: Path | None) -> StructuredOutputsParams | None:
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"--json-schema {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {path} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path} must hold a JSON object (a schema)")
+    return StructuredOutputsParams(json=schema)
 
 
 def read_prompts(path: Path) -> list[Item]:
@@ -109,6 +123,8 @@ def generate(
                                        help="Print tokens as they are generated (default: on for a single prompt)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line: prompt, text, "
                                  "token_ids, finish_reason, index."),
+    json_schema: Path | None = typer.Option(None, "--json-schema", help="A JSON schema file every output must "
+                                            "follow (structured output, xgrammar)."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -124,7 +140,7 @@ def generate(
     if stream and not single:
         raise ValueError("--stream needs exactly one prompt, --n 1 and no --json")
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            seed=engine_args["seed"])
+                            seed=engine_args["seed"], structured_outputs=read_schema(json_schema))
 
     llm = build_llm(engine_args)
     if chat:

@@ -12,6 +12,9 @@ from rich.console import Console
 from vserve.cli.engine_args import engine_command, print_config
 
 console = Console(stderr=True, highlight=False)
+# the names of core/tool_parsers.py's and core/reasoning_parsers.py's parsers (cli/ imports no core at start-up)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @engine_command
@@ -31,6 +34,12 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
     disable_uvicorn_access_log: bool = typer.Option(False, "--disable-uvicorn-access-log",
                                                     help="No log line per HTTP request"),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help='tool_choice "auto": parse calls with --tool-call-parser'),
+    tool_call_parser: str | None = typer.Option(None, help="hermes (Qwen2.5/3), llama3_json (Llama 3.1+), mistral, "
+                                                "pythonic (Llama 3.2/4)"),
+    reasoning_parser: str | None = typer.Option(None, help="deepseek_r1 or qwen3: <think>...</think> goes to the "
+                                                "message's reasoning field"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -47,6 +56,12 @@ def serve(
         raise ValueError(f"--port must be in 1..65535, got {port}")
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {max_queue_len}")
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    for flag, value, names in (("--tool-call-parser", tool_call_parser, TOOL_CALL_PARSERS),
+                               ("--reasoning-parser", reasoning_parser, REASONING_PARSERS)):
+        if value is not None and value not in names:
+            raise ValueError(f"{flag} must be one of {', '.join(names)}, got {value!r}")
     key = api_key or os.environ.get("VSERVE_API_KEY") or None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     from vserve.core.server.launch import ServeOptions
@@ -56,6 +71,7 @@ def serve(
     print_config(config)
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
-                        access_log=not disable_uvicorn_access_log)
+                        access_log=not disable_uvicorn_access_log, enable_auto_tool_choice=enable_auto_tool_choice,
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

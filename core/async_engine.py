@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import InprocClient, start_core
-from vserve.core.engine_core import CoreStats, EngineStats, encode_request
+from vserve.core.engine_core import CoreStats, EngineStats
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
@@ -195,7 +195,10 @@ class AsyncLLM:
         request."""
         if self.error is not None:
             raise self._dead()
-        children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError for bad input
+        if params.structured_outputs is not None:  # a grammar compiles on a worker thread, off the event loop
+            children = await asyncio.to_thread(self.engine.make_requests, request_id, prompt, params, cache_salt)
+        else:
+            children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError: bad input
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
             num_waiting = self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
@@ -206,7 +209,8 @@ class AsyncLLM:
             self.output.add(children)
             self._streams[request_id] = s
             self._num_sent += len(children)
-        self.client.send(("add", [encode_request(r) for r in children]))
+        for command in self.engine.processor.core_commands(children):
+            self.client.send(command)
         finished = False
         try:
             while True:

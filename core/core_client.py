@@ -70,6 +70,8 @@ class CoreLoop:
                     core.add_request(decode_request(child))
             elif kind == "abort":
                 core.abort_requests(arg)
+            elif kind == "grammar_info":  # once, before the first structured request
+                core.structured.set_tokenizer_info(arg)
             else:  # shutdown
                 self._stop.set()
         return bool(inbox)

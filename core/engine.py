@@ -12,7 +12,7 @@ import torch
 
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import ProcClient, start_core
-from vserve.core.engine_core import CoreInfo, CoreStats, EngineCore, EngineStats, encode_request
+from vserve.core.engine_core import CoreInfo, CoreStats, EngineCore, EngineStats
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.request import Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
@@ -100,7 +100,8 @@ class LLMEngine:
     def submit(self, children: list[Request]) -> None:
         """Enqueue the children of one request (made by make_requests)."""
         self.output.add(children)
-        self._send(("add", [encode_request(r) for r in children]))
+        for command in self.processor.core_commands(children):
+            self._send(command)
 
     def abort_request(self, request_id: str) -> None:
         ids = self.output.abort(request_id)

@@ -27,6 +27,7 @@ from vserve.core.processor import max_model_len_for
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sampler import Logprob, SampledTokens
 from vserve.core.scheduler import Scheduler
+from vserve.core.structured_output import StructuredOutputManager
 from vserve.core.worker import start_tensor_parallel
 from vserve.ops import startup
 
@@ -82,13 +83,14 @@ class CoreInfo:
 
 def encode_request(req: Request) -> tuple:
     return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
-            req.eos_token_id, req.arrival_time, req.cache_salt)
+            req.eos_token_id, req.arrival_time, req.cache_salt, req.structured)
 
 
 def decode_request(t: tuple) -> Request:
-    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt = t
+    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, structured = t
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt)
+                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt,
+                   structured=structured)
 
 
 class EngineCore:
@@ -165,6 +167,9 @@ class EngineCore:
         self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: tuple[list[Request], SampledTokens | None] | None = None  # launched, not yet processed
+        self.early_outs: list[CoreOutput] = []  # the step before's outputs, processed to fill a grammar bitmask
+        self.structured = StructuredOutputManager(mc.vocab_size)
+        self.num_grammars = 0  # live requests with a structured output
         self.requests: dict[str, Request] = {}
         self.num_taken = 0
         self.num_generated_tokens = 0
@@ -182,6 +187,9 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.sampling_params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
+        if req.structured is not None:
+            req.grammar = self.structured.new_state(req.structured, req.sampling_params.all_stop_token_ids)
+            self.num_grammars += 1
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
         self.num_taken += 1
@@ -192,8 +200,7 @@ class EngineCore:
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is not None and not req.status.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                self.runner.sampler.release(rid)
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -227,6 +234,8 @@ class EngineCore:
         if not self.async_scheduling and self.in_flight is not None:
             outs += self._process(self.in_flight)
             self.in_flight = None
+        if self.early_outs:
+            outs, self.early_outs = self.early_outs + outs, []
         return outs
 
     def _can_overlap(self) -> bool:
@@ -239,7 +248,7 @@ class EngineCore:
         for r, n in zip(sched.requests, sched.num_scheduled_tokens):
             self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
         try:
-            reqs, sampled = self.runner.launch(sched, block_ids)
+            reqs, sampled = self.runner.launch(sched, block_ids, self._grammar_bitmask if self.num_grammars else None)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -250,6 +259,24 @@ class EngineCore:
         for req in reqs:
             req.num_pending += 1
         return reqs, sampled
+
+    def _grammar_bitmask(self, reqs: list[Request]):
+        """Called by the runner once the step's forward is queued: the step in flight before it is processed first
+        (its tokens advance the matchers; under async scheduling this overlaps the forward), then the rows with an
+        active grammar get their bitmask."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        if self.in_flight is not None:
+            self.early_outs += self._process(self.in_flight)
+            self.in_flight = None
+        return self.structured.bitmask([r.grammar for r in reqs])
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.runner.sampler.release(req.request_id)
+        if req.grammar is not None:
+            req.grammar = None
+            self.num_grammars -= 1
 
     def _process(self, launched: tuple[list[Request], SampledTokens | None]) -> list[CoreOutput]:
         """Append a launched step's tokens (waiting for them) and check the token stops."""
@@ -268,11 +295,12 @@ class EngineCore:
             req.append_token(token)
             self.num_generated_tokens += 1
             status = self._check_stop(req, token)
+            if status is None and req.grammar is not None and req.grammar.accept(token):
+                status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
             if status is None:
                 outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None))
                 continue
-            self.scheduler.finish(req, status)
-            self.runner.sampler.release(req.request_id)
+            self._finish(req, status)
             del self.requests[req.request_id]
             outs.append(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
                                    max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time))

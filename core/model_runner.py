@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -280,9 +281,12 @@ class ModelRunner:
         return reqs, sampled.resolve() if sampled is not None else SamplerOutput([], [])
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SampledTokens | None]:
+    def launch(self, sched: SchedulerOutput, block_ids: list[list[int]],
+               bitmask: Callable[[list[Request]], tuple[torch.Tensor, list[int]] | None] | None = None,
+               ) -> tuple[list[Request], SampledTokens | None]:
         """Queue one step on the device and return without waiting: the requests that sample and their tokens
-        (None when no row samples). Under TP/PP the step is broadcast to the other ranks first."""
+        (None when no row samples). Under TP/PP the step is broadcast to the other ranks first. bitmask(reqs) is
+        asked once the forward is queued, so the host fills structured outputs' masks while the device runs it."""
         if get_pp_size() > 1:
             step, reqs = self._micro_batches(sched, block_ids)
         else:
@@ -292,7 +296,7 @@ class ModelRunner:
         logits = self.run_step(step)
         if logits is None:
             return [], None
-        sampled = self.sampler.sample(logits, reqs)
+        sampled = self.sampler.sample(logits, reqs, bitmask(reqs) if bitmask is not None else None)
         self.last_tokens = sampled.tokens
         self.last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         return reqs, sampled

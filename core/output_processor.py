@@ -56,9 +56,9 @@ class RequestState:
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             self.first_token_time, self.scheduled_time = out.first_token_time, out.scheduled_time
-        if self.detok is None or out.finish_reason == "stop":  # a stop token's text is not shown
-            return False
         params = self.request.sampling_params
+        if self.detok is None or (out.finish_reason == "stop" and out.token_id in params.all_stop_token_ids):
+            return False  # a stop token's text is not shown (a completed grammar's last token is)
         stop_str = self.detok.update(out.token_id, check_stop=len(self.token_ids) >= params.min_tokens)
         if stop_str is None:
             return False

@@ -15,6 +15,7 @@ from vserve.core.loader import model_source
 from vserve.core.model_config import ModelConfig
 from vserve.core.request import Request
 from vserve.core.sampling_params import SamplingParams
+from vserve.core.structured_output import GrammarCompiler
 from vserve.ops import startup
 
 
@@ -51,6 +52,8 @@ class InputProcessor:
                 Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
                 config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, self.stop_token_ids)
+        self._grammar_info_sent = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
@@ -105,6 +108,9 @@ class InputProcessor:
             if not params.truncate_max_tokens:
                 raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                  f"--max-model-len {self.max_model_len}")
+        spec = None
+        if params.structured_outputs is not None:
+            spec = self.grammars.compile(params.structured_outputs)
         max_tokens = min(params.max_tokens or room, room)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -114,5 +120,16 @@ class InputProcessor:
                                                 all_stop_token_ids=stops),
                         max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
                         parent_id=request_id, index=i, eos_token_id=None if params.ignore_eos else self.eos_token_id,
-                        cache_salt=cache_salt)
+                        cache_salt=cache_salt, structured=spec)
                 for i in range(params.n)]
+
+    def core_commands(self, children: list[Request]) -> list[tuple]:
+        """The commands that hand these requests to the core: the tokenizer's grammar info goes first, once."""
+        from vserve.core.engine_core import encode_request
+
+        commands = []
+        if not self._grammar_info_sent and any(r.structured is not None for r in children):
+            commands.append(("grammar_info", self.grammars.tokenizer_info_json()))
+            self._grammar_info_sent = True
+        commands.append(("add", [encode_request(r) for r in children]))
+        return commands

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vserve.core.sampling_params import SamplingParams
+from vserve.core.structured_output import GrammarSpec, GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None  # requests share cached prefix blocks only with requests of the same salt
+    structured: GrammarSpec | None = None  # a structured output's compiled grammar (core/structured_output.py)
+    grammar: GrammarState | None = None  # its matcher, in the engine core
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None

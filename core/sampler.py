@@ -269,14 +269,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         return self.sample(logits, reqs).resolve()
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledTokens:
-        """Launch the sampling of one step; nothing waits for the device."""
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               bitmask: tuple[torch.Tensor, list[int]] | None = None) -> SampledTokens:
+        """Launch the sampling of one step; nothing waits for the device. bitmask: the structured-output rows'
+        allowed tokens (host int32 words, core/structured_output.py) and their rows, applied first."""
         params = [r.sampling_params for r in reqs]
         dev = logits.device
         raw = logits
         counted = None
+        if bitmask is not None:
+            mask, rows = bitmask
+            logits = logits.clone()  # logprobs are of the raw logits
+            # the host words go to the device behind the step's queue; the next fill waits for this step's tokens
+            for_device(logits).apply_token_bitmask(logits, mask.to(dev, non_blocking=True),
+                                                   self._column(rows, dev, torch.long))
         if any(sp.needs_logit_processing for sp in params):
-            logits = logits.clone()
+            if logits is raw:
+                logits = logits.clone()
             if self.counts is None or self.counts.vocab != logits.shape[1] or self.counts.device != dev:
                 self.counts = TokenCounts(logits.shape[1], dev)
             counted = apply_penalties_batched(logits, reqs, self.counts, self._column)

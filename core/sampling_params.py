@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vserve.core.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Offline use clips max_tokens to what fits in --max-model-len; the server refuses instead (400).
     truncate_max_tokens: bool = True
+    # A JSON schema, regex, choice, grammar or structural tag the output must follow (xgrammar).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.11: moved to structured_outputs
     # Set by the engine from the tokenizer: eos and generation-config stop ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -45,6 +50,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its old name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self._validate()
 
     def _validate(self) -> None:

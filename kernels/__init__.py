@@ -12,7 +12,7 @@ from types import SimpleNamespace
 _NAMES = ("store_kvcache", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm",
           "silu_and_mul", "rotary_embedding", "fused_moe", "w4a16_gemm", "per_token_quant", "fp8_linear",
           "int8_linear", "fp8_mm", "int8_mm", "rms_norm_quant", "fused_add_rms_norm_quant", "silu_and_mul_quant",
-          "sample_from_logits")
+          "sample_from_logits", "apply_token_bitmask")
 
 
 @cache

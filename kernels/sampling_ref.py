@@ -34,3 +34,15 @@ def cdf_boundary_ties(logits: torch.Tensor, u: torch.Tensor, a: torch.Tensor, b:
     cols = torch.arange(cdf.shape[1], device=cdf.device)
     between = (cols >= torch.minimum(a, b).unsqueeze(1)) & (cols < torch.maximum(a, b).unsqueeze(1))
     return (torch.where(between, (cdf - target).abs(), 0.0).amax(-1) <= rtol * cdf[:, -1]) | (a == b)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: for each j, logits[rows[j], t] = -inf where bit t % 32 of bitmask[j, t // 32] is 0 (xgrammar's
+    layout: int32 words, bit 1 = allowed). Other rows are untouched; columns past the bitmask's 32 * W are masked."""
+    V = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    if allowed.shape[1] < V:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], V - allowed.shape[1])], 1)
+    sub = logits.index_select(0, rows).masked_fill_(~allowed[:, :V].to(logits.device), float("-inf"))
+    logits.index_copy_(0, rows, sub)

@@ -70,3 +70,25 @@ def sample_from_logits(logits: torch.Tensor, u: torch.Tensor, *, block: int = 40
     _sample_kernel[(B,)](logits, u.float().contiguous(), out, V, logits.stride(0),
                          BLOCK=min(block, triton.next_power_of_2(V)), num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, mask_ptr, rows_ptr, V, W, stride, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    row = tl.load(rows_ptr + j).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(mask_ptr + j * W + cols // 32, mask=cols // 32 < W, other=0)
+    banned = ((words >> (cols % 32)) & 1) == 0
+    tl.store(logits_ptr + row * stride + cols, tl.full((BLOCK,), float("-inf"), tl.float32), mask=(cols < V) & banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, *,
+                        block: int = 1024) -> None:
+    """apply_token_bitmask_ref (kernels/sampling_ref.py) in one launch over the constrained rows: a program per
+    (row, BLOCK columns) reads its bitmask words and writes -inf where a token is not allowed."""
+    assert logits.stride(1) == 1 and bitmask.is_contiguous()
+    if rows.numel() == 0:
+        return
+    V, W = logits.shape[1], bitmask.shape[1]
+    _bitmask_kernel[(rows.numel(), triton.cdiv(V, block))](logits, bitmask, rows, V, W, logits.stride(0),
+                                                           BLOCK=block)

@@ -159,3 +159,24 @@ def test_bench_throughput_json(shared_llm):
     assert r["elapsed_s"] > 0
     assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
     assert r["total_tokens_per_s"] == pytest.approx(80 / r["elapsed_s"])
+
+
+def test_generate_json_schema_constrains_every_output(shared_llm, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(schema))
+    res = invoke("generate", "A city as JSON:", "--json-schema", str(f), "--json", "--n", "3", "--max-tokens", "60",
+                 "--temperature", "1")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(r["text"]), schema)
+    f.write_text("{oops")
+    res = invoke("generate", "x", "--json-schema", str(f))
+    assert res.exit_code == 2 and res.stderr.splitlines()[0].startswith(f"error: --json-schema {f} is not JSON")

@@ -150,3 +150,38 @@ def test_the_sampler_draws_with_the_kernel_as_with_the_reference(seed, monkeypat
     ties = cdf_boundary_ties(scaled, u, torch.tensor(got), torch.tensor(expected), TIE_RTOL)
     assert bool(ties.all()), (got, expected, seed)
     assert got[1] == int(logits[1].argmax())
+
+
+def _bitmask_naive(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """xgrammar's layout read one token at a time: bit t % 32 of word t // 32, 1 = allowed."""
+    out = logits.clone()
+    for j, r in enumerate(rows):
+        for t in range(logits.shape[1]):
+            word = int(bitmask[j, t // 32]) & 0xFFFFFFFF if t // 32 < bitmask.shape[1] else 0
+            if not (word >> (t % 32)) & 1:
+                out[r, t] = NEG_INF
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_token_bitmask_kernel_equals_reference_on_random_logits(dtype):
+    from vserve.kernels.sampling_ref import apply_token_bitmask_ref
+    from vserve.kernels.triton_sampling import apply_token_bitmask
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    V = 1000  # not a multiple of 32 (the last word is partly past the vocabulary) nor of the kernel's block
+    logits = torch.randn(7, V, generator=g).to(dtype)
+    rows = [5, 0, 3]  # unordered, with rows left unconstrained between them
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (V + 31) // 32), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = 0  # a row with nothing allowed
+    bitmask[2] = -1  # a row with everything allowed
+    want = _bitmask_naive(logits, bitmask, rows)
+    ref = logits.clone()
+    apply_token_bitmask_ref(ref, bitmask, torch.tensor(rows))
+    assert torch.equal(ref, want), seed
+    got = logits.clone().to(DEVICE)
+    apply_token_bitmask(got, bitmask.to(DEVICE), torch.tensor(rows, device=DEVICE), block=256)
+    assert torch.equal(got.cpu(), want), seed
+    assert torch.equal(got.cpu()[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])  # other rows untouched

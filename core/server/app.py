@@ -54,6 +54,9 @@ class ServerSettings:
     chat_template: str | None = None
     max_body_bytes: int = 8 << 20
     log_interval_s: float = 10.0
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parsed with tool_call_parser (core/tool_parsers.py)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # core/reasoning_parsers.py
 
 
 class BodyLimitMiddleware:
@@ -119,6 +122,8 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = "unknown request field (OpenAI's API and vLLM's extras are accepted; docs/serving.md lists them)"
         return error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", ".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -204,7 +209,7 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
-            text = serving.render_chat(eng, [m.model_dump() for m in body.messages], settings,
+            text = serving.render_chat(eng, [m.for_template() for m in body.messages], settings,
                                        body.add_generation_prompt)
             ids = eng.tokenizer(text, add_special_tokens=False).input_ids
         else:

@@ -46,7 +46,10 @@ class EngineMetrics:
         self.e2e_request_latency = h("e2e_request_latency_seconds", "End-to-end request latency.")
         self.request_queue_time = h("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "gen": 0}
+        self.structured_output_requests = c("structured_output_requests", "Requests with a structured output.")
+        self.grammar_compile_time = h("structured_output_compile_seconds",
+                                      "Grammar compile time (cache misses; xgrammar).")
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "gen": 0, "structured": 0}
         self._log_mark = (time.monotonic(), 0, 0)
 
     def on_step(self, engine, step_tokens: int, _seconds: float) -> None:
@@ -61,6 +64,13 @@ class EngineMetrics:
         self._inc("gen", self.generation_tokens, engine.num_generated_tokens)
         if step_tokens:
             self.iteration_tokens.observe(step_tokens)
+        self._grammars(engine)
+
+    def _grammars(self, engine) -> None:
+        grammars = engine.processor.grammars
+        self._inc("structured", self.structured_output_requests, grammars.num_requests)
+        while grammars.compile_seconds:  # a deque the compiling threads append to
+            self.grammar_compile_time.observe(grammars.compile_seconds.popleft())
 
     def _inc(self, key: str, counter, total: int) -> None:
         if total > self._seen[key]:
@@ -97,3 +107,4 @@ class EngineMetrics:
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        self._grammars(engine)

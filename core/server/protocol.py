@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -9,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vserve.core.sampling_params import SamplingParams
+from vserve.core.structured_output import StructuredOutputsParams
 
 MAX_N = 32
 MAX_LOGPROBS = 20
@@ -29,13 +31,31 @@ def _check_utf8(value: Any) -> None:
             _check_utf8(v)
 
 
+# Request fields other OpenAI-compatible clients send that change nothing here: accepted and ignored
+# (docs/serving.md). Any other unknown field is a 400 naming it, as OpenAI answers.
+IGNORED_FIELDS = frozenset({
+    "store", "metadata", "service_tier", "prediction", "priority", "request_id", "guided_decoding_backend",
+    "structured_outputs_backend"})
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         _check_utf8(data)
+        return data
+
+
+class OpenAIRequest(OpenAIModel):
+    """A request body: the allow-listed fields are dropped before validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and IGNORED_FIELDS.intersection(data):
+            data = {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
         return data
 
 
@@ -58,7 +78,19 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class _SamplingFields(OpenAIModel):
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request field (one of them)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool = False
+
+
+class _SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -83,6 +115,33 @@ class _SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's names before 0.12, deprecated (docs/structured.md)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured output this request asks for (ValueError for several)."""
+        asked = []
+        if self.structured_outputs is not None:
+            f = self.structured_outputs
+            asked.append(StructuredOutputsParams(json=f.json_, regex=f.regex, choice=f.choice, grammar=f.grammar,
+                                                 json_object=f.json_object, structural_tag=f.structural_tag,
+                                                 disable_any_whitespace=f.disable_any_whitespace))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        if any(v is not None for v in guided.values()):
+            asked.append(StructuredOutputsParams(**guided))
+        asked += self._format_structured()
+        if len(asked) > 1:
+            raise ValueError("give one structured output: structured_outputs, a guided_* field, response_format "
+                             "or a tool_choice that forces a call")
+        return asked[0] if asked else None
+
+    def _format_structured(self) -> list[StructuredOutputsParams]:
+        return []
 
     @field_validator("logit_bias")
     @classmethod
@@ -121,6 +180,7 @@ class _SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             truncate_max_tokens=max_tokens is None,
+            structured_outputs=self.structured(),
         )
 
 
@@ -151,10 +211,25 @@ class ContentPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCallItem(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as servers return it (not re-sent)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -163,9 +238,58 @@ class ChatMessage(OpenAIModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool calls' arguments as objects (Qwen's, Llama's, Mistral's
+        templates serialize them themselves)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise ValueError(f"tool call {c.id}: arguments are not JSON") from None
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
 
 class ResponseFormat(OpenAIModel):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -176,14 +300,59 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for the system role.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return [m.for_template() for m in self.messages]
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the "
+                                 f"tools ({', '.join(names)})")
+        return self.tool_choice
+
+    def _format_structured(self) -> list[StructuredOutputsParams]:
+        out = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            out.append(StructuredOutputsParams(json_object=True))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            out.append(StructuredOutputsParams(json=rf.json_schema.schema_))
+        choice = self.effective_tool_choice()
+        if isinstance(choice, NamedToolChoice):
+            fn = next(t.function for t in self.tools if t.function.name == choice.function.name)
+            out.append(StructuredOutputsParams(json=fn.parameters or {"type": "object"}))
+        elif choice == "required":
+            out.append(StructuredOutputsParams(json=required_tools_schema(self.tools, self.parallel_tool_calls)))
+        return out
 
 
-class EmbeddingRequest(OpenAIModel):
+def required_tools_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """tool_choice "required": the output is a JSON array of calls, each a tool's name and its parameters (as vLLM
+    constrains it), so the arguments always validate against the tool's schema."""
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                "parameters": t.function.parameters or {"type": "object"}},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class EmbeddingRequest(OpenAIRequest):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -191,7 +360,7 @@ class EmbeddingRequest(OpenAIModel):
     user: str | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -199,7 +368,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vserve.core.async_engine import AsyncLLM, EngineDeadError
 from vserve.core.request import CompletionOutput, RequestOutput
+from vserve.core.server.chat_output import ChatOutputParser
 from vserve.core.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,19 +24,34 @@ from vserve.core.server.protocol import (
 )
 
 
-def render_chat(engine, conversation: list[dict], settings, add_generation_prompt: bool = True) -> str:
+def render_chat(engine, conversation: list[dict], settings, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """conversation: ChatMessage.for_template() dicts; tools: OpenAI tool definitions, which the template renders."""
     tok = engine.tokenizer
     template = settings.chat_template
     if template is None and not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template; start the server with --chat-template FILE")
-    conv = [{"role": "system" if m["role"] == "developer" else m["role"],
-             "content": m["content"] if isinstance(m["content"], str) else
-             "".join(p["text"] for p in (m["content"] or []))} for m in conversation]
     try:
-        return tok.apply_chat_template(conv, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       **(template_kwargs or {}))
     except Exception as e:  # jinja raises its own errors for conversations the template rejects
         raise ValueError(f"the chat template rejected these messages: {e}") from None
+
+
+def _reasoning_end_id(tokenizer, settings, prompt_ids: list[int]) -> int | None:
+    """With a reasoning parser: the token after which a structured output starts (</think>), unless the prompt
+    already closed the thinking (e.g. Qwen3's template with enable_thinking false)."""
+    if not settings.reasoning_parser:
+        return None
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    unk = tokenizer.unk_token_id
+    if end is None or end == unk:
+        return None
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    if end in prompt_ids[last_start + 1:]:
+        return None
+    return end
 
 
 async def _until_disconnect(raw: Request) -> None:
@@ -251,17 +267,22 @@ async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, 
     eng = engine.engine
     if body.top_logprobs is not None and not body.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
-    text = render_chat(eng, body.conversation(), settings, body.add_generation_prompt)
+    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools] if body.tools else None
+    text = render_chat(eng, body.conversation(), settings, body.add_generation_prompt, tools,
+                       body.chat_template_kwargs)
     prompt_ids = eng.tokenizer(text, add_special_tokens=False).input_ids
     max_tokens = body.max_completion_tokens or body.max_tokens
     n_top = body.top_logprobs or 0
     sp = body.sampling_params(max_tokens, n_top if body.logprobs else None)
+    if sp.structured_outputs is not None:
+        sp.structured_outputs.start_after_token_id = _reasoning_end_id(eng.tokenizer, settings, prompt_ids)
+    tokenizer = eng.tokenizer
+    parsers = [ChatOutputParser.for_request(body, settings, tokenizer) for _ in range(body.n)]
     rid = random_id("chatcmpl")
     created, model = now(), settings.served_model_name
     gen = engine.generate(rid, prompt_ids, sp, stream=body.stream, cache_salt=body.cache_salt)
-    tokenizer = eng.tokenizer
     if body.stream:
-        return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top),
+        return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top, parsers),
                                  media_type="text/event-stream")
     out = await _collect(gen, raw)
     if out is None:
@@ -269,14 +290,16 @@ async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, 
     choices = []
     for comp in out.outputs:
         lp = _chat_logprobs(tokenizer, comp.token_ids, comp.logprobs, n_top) if body.logprobs else None
-        choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
-                        "logprobs": lp, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+        message, finish_reason = parsers[comp.index].message(comp.text, comp.finish_reason)
+        choices.append({"index": comp.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
+                        "stop_reason": comp.stop_reason})
     n_completion = sum(len(c.token_ids) for c in out.outputs)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), n_completion, out.num_cached_tokens)}
 
 
-async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, tokenizer, n_top):
+async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, tokenizer, n_top,
+                       parsers: list[ChatOutputParser]):
     def chunk(choices, **extra):
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": choices, **extra})
@@ -299,8 +322,21 @@ async def _stream_chat(body: ChatCompletionRequest, gen, rid, created, model, to
                 lp = None
                 if body.logprobs and comp.token_ids:
                     lp = _chat_logprobs(tokenizer, comp.token_ids, comp.logprobs or [], n_top)
-                yield chunk([{"index": comp.index, "delta": {"content": comp.text} if comp.text else {},
-                              "logprobs": lp, "finish_reason": comp.finish_reason}])
+                parser = parsers[comp.index]
+                deltas = parser.deltas(comp.text) if comp.text else []
+                finish_reason = comp.finish_reason
+                if finish_reason is not None:
+                    rest, finish_reason = parser.finish(finish_reason)
+                    deltas += rest
+                if not deltas:  # nothing to show yet (a parser holds it): the logprobs and finish still go
+                    if lp is not None or finish_reason is not None:
+                        yield chunk([{"index": comp.index, "delta": {}, "logprobs": lp,
+                                      "finish_reason": finish_reason}])
+                    continue
+                for k, delta in enumerate(deltas):
+                    last_one = k == len(deltas) - 1
+                    yield chunk([{"index": comp.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                                  "finish_reason": finish_reason if last_one else None}])
         if body.stream_options and body.stream_options.include_usage and last is not None:
             yield chunk([], usage=usage(len(last.prompt_token_ids), n_completion, last.num_cached_tokens))
     except (ValueError, RuntimeError) as e:

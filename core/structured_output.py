@@ -1,0 +1,235 @@
+"""Structured outputs with xgrammar: what a request asks for, its compilation in the front end, its matcher in the core.
+
+The front end (InputProcessor) compiles a request's grammar with the tokenizer it already holds, off the engine's
+critical path (the server does it on a worker thread), through a cache keyed by the grammar; a grammar that cannot
+compile is a ValueError (HTTP 400) with xgrammar's message. The request carries the compiled grammar, serialized, to
+the engine core, which keeps one GrammarMatcher per sequence: before each sampling the rows with a grammar get their
+allowed-token bitmask (filled on the host, applied on the device by kernels' apply_token_bitmask), and every sampled
+token advances the matcher. A sequence whose grammar is complete finishes with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_WHITESPACE = 16  # characters of whitespace between two JSON elements
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one of json (a JSON schema, as a dict or a string), regex, choice
+    (a list of strings), grammar (EBNF / GBNF), json_object (any JSON object) or structural_tag (xgrammar's
+    structural tag, a dict or its JSON string)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    # vserve's: the grammar starts after this token (a reasoning model's </think>; the server sets it)
+    start_after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("json must be a JSON schema (an object or its JSON string)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """The compiled-grammar cache key: the kind and its canonical text."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "structural_tag") and isinstance(value, str):
+            try:
+                value = json.loads(value)  # the same schema however it is spaced
+            except json.JSONDecodeError:
+                pass  # compile() says what is wrong with it
+        if isinstance(value, dict | list):
+            value = json.dumps(value, sort_keys=True)
+        return json.dumps([self.kind, value, self.disable_any_whitespace])
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.11
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request carries to the engine core: the grammar's cache key and xgrammar's serialized compiled
+    grammar (the core deserializes each key once). think_end_id: the grammar starts after this token (a reasoning
+    model's end of thinking), or at once when None."""
+
+    key: str
+    compiled: str
+    think_end_id: int | None = None
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    # EBNF string literals take JSON's escapes
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """The front end's compiler: the tokenizer's xgrammar TokenizerInfo (built at the first structured request) and
+    an LRU of compiled grammars by key. Thread-safe for the server's worker threads (xgrammar's compiler is)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_cached: int = 256) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.max_cached = max_cached
+        self._info = None
+        self._compiler = None
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self.compile_seconds: deque[float] = deque()  # each cache miss's compile time (the metrics pop them)
+        self.num_requests = 0  # requests compiled for, cache hits included
+
+    def _ensure(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init)")
+            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                             stop_token_ids=self.stop_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
+        return self._compiler
+
+    def tokenizer_info_json(self) -> str:
+        self._ensure()
+        return self._info.serialize_json()
+
+    def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
+        key, think_end_id = params.key(), params.start_after_token_id
+        self.num_requests += 1
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return GrammarSpec(key, compiled, think_end_id)
+        compiler = self._ensure()
+        t0 = time.perf_counter()
+        try:
+            grammar = self._compile(compiler, params)
+        except (RuntimeError, ValueError, TypeError) as e:
+            msg = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # xgrammar's "[time] file.cc:line: " prefix
+            raise ValueError(f"the {params.kind} structured output does not compile: {msg}") from None
+        self.compile_seconds.append(time.perf_counter() - t0)
+        compiled = grammar.serialize_json()
+        self._cache[key] = compiled
+        if len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+        return GrammarSpec(key, compiled, think_end_id)
+
+    @staticmethod
+    def _compile(compiler, p: StructuredOutputsParams):
+        # JSON's whitespace: free (pretty-printing) but at most MAX_WHITESPACE characters between two elements, so a
+        # sampled sequence cannot run on in whitespace until max_tokens (it did at temperature 1); compact JSON with
+        # disable_any_whitespace
+        ws = {"any_whitespace": False} if p.disable_any_whitespace else {"max_whitespace_cnt": MAX_WHITESPACE}
+        if p.json is not None:
+            schema = p.json if isinstance(p.json, str) else json.dumps(p.json)
+            try:
+                json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the schema is not valid JSON: {e}") from None
+            return compiler.compile_json_schema(schema, **ws)
+        if p.json_object:  # any object (not strict: any properties)
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+        if p.regex is not None:
+            return compiler.compile_regex(p.regex)
+        if p.choice is not None:
+            return compiler.compile_grammar(_choice_grammar(p.choice))
+        if p.grammar is not None:
+            return compiler.compile_grammar(p.grammar)
+        tag = p.structural_tag if isinstance(p.structural_tag, str) else json.dumps(p.structural_tag)
+        return compiler.compile_structural_tag(tag)
+
+
+@dataclass
+class GrammarState:
+    """One sequence's matcher in the core; `active` turns on at think_end_id (reasoning models)."""
+
+    matcher: Any
+    think_end_id: int | None = None
+    active: bool = True
+
+    def accept(self, token: int) -> bool:
+        """Advance with a sampled token; whether the grammar is now complete (the sequence stops)."""
+        if not self.active:
+            self.active = token == self.think_end_id
+            return False
+        if not self.matcher.accept_token(token):
+            # only a token the mask allowed is sampled; one that is not means the grammar cannot go on
+            return True
+        return self.matcher.is_terminated()
+
+
+@dataclass
+class StructuredOutputManager:
+    """The core's side: deserialized grammars by key (an LRU), a matcher per sequence, the step's bitmask."""
+
+    vocab_size: int
+    max_cached: int = 256
+    _info: Any = None
+    _grammars: OrderedDict = field(default_factory=OrderedDict)
+    _bitmask: Any = None  # a host torch.Tensor, grown as needed
+
+    def set_tokenizer_info(self, info_json: str) -> None:
+        import xgrammar as xgr
+
+        self._info = xgr.TokenizerInfo.deserialize_json(info_json)
+
+    def new_state(self, spec: GrammarSpec, stop_token_ids: set[int]) -> GrammarState:
+        import xgrammar as xgr
+
+        if self._info is None:
+            raise RuntimeError("a structured request reached the core before the tokenizer's grammar info")
+        grammar = self._grammars.get(spec.key)
+        if grammar is None:
+            grammar = self._grammars[spec.key] = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._info)
+            if len(self._grammars) > self.max_cached:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(spec.key)
+        # the request's own stop tokens end the grammar (ignore_eos: none, so the grammar ends without one)
+        stops = sorted(stop_token_ids)
+        matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops or None,
+                                     terminate_without_stop_token=not stops)
+        return GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None)
+
+    def bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed-token bitmask of the rows whose grammar is active (host int32, one row each) and their row
+        indices in the batch, or None when no row is constrained."""
+        rows = [i for i, s in enumerate(states) if s is not None and s.active and not s.matcher.is_terminated()]
+        if not rows:
+            return None
+        import torch
+
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            n = max(len(rows), 2 * (0 if self._bitmask is None else self._bitmask.shape[0]), 8)
+            self._bitmask = torch.empty(n, words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        mask = self._bitmask[:len(rows)]
+        for j, i in enumerate(rows):
+            states[i].matcher.fill_next_token_bitmask(mask, j)
+        return mask, rows
