@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _ROOT = _Path(__file__).resolve().parent
 _sys.path[:] = [p for p in _sys.path if _Path(p or ".").resolve() != _ROOT]
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -31,6 +31,10 @@ def __getattr__(name: str):
         from vserve.core import request
 
         return getattr(request, name)
+    if name == "LoRARequest":
+        from vserve.core.lora.adapter import LoRARequest
+
+        return LoRARequest
     if name == "EngineConfig":
         from vserve.core.config import EngineConfig
 

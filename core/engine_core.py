@@ -21,6 +21,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.kv_cache import KVCacheManager
 from vserve.core.layers.rotary import longrope_offset
 from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
+from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
@@ -82,13 +83,14 @@ class CoreInfo:
 
 def encode_request(req: Request) -> tuple:
     return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
-            req.eos_token_id, req.arrival_time, req.cache_salt)
+            req.eos_token_id, req.arrival_time, req.cache_salt, req.lora_id, req.lora_name, req.lora_path)
 
 
 def decode_request(t: tuple) -> Request:
-    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt = t
+    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, lora_id, lora_name, lora_path = t
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt)
+                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt,
+                   lora_id=lora_id, lora_name=lora_name, lora_path=lora_path)
 
 
 class EngineCore:
@@ -158,10 +160,16 @@ class EngineCore:
                                  longrope_original=longrope[0] if longrope else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
+        lora = attach_lora(self.model, config, self.dtype, self.device)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype)
+                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype,
+                                  lora=lora)
+        if lora is not None:
+            from vserve.core.lora.manager import LoRASlots
+
+            self.scheduler.lora = self.runner.lora_slots = LoRASlots(config.max_loras)
         self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: tuple[list[Request], SampledTokens | None] | None = None  # launched, not yet processed
@@ -180,6 +188,10 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_id:
+            if self.scheduler.lora is None:
+                raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
+            self.scheduler.lora.register(req.lora_id, req.lora_name, req.lora_path)
         if req.sampling_params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
         self.requests[req.request_id] = req
@@ -194,6 +206,12 @@ class EngineCore:
             if req is not None and not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.runner.sampler.release(rid)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter its front end removed: its slot frees once no running request uses it."""
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.forget(lora_id)
+            self.runner.lora.forget(lora_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None

@@ -48,6 +48,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None  # requests share cached prefix blocks only with requests of the same salt
+    lora_id: int = 0  # its LoRA adapter's id (0: none); the adapter's name and folder come with it
+    lora_name: str | None = None
+    lora_path: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None

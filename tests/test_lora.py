@@ -1,0 +1,184 @@
+"""Multi-LoRA serving on CPU (float32): in ONE batch mixing two PEFT adapters and the base model, each prompt's greedy
+tokens equal HF's with that adapter merged by peft; through vLLM's lora_request and the seeds' add_lora_adapter;
+prefix caching keyed by adapter; one slot for three adapters (requests wait, all finish, same tokens); bad adapters
+refused with the reason."""
+
+import json
+import random
+
+import pytest
+from lora_fixtures import ALL, make_adapter, merged_copy
+
+from vserve import LLM, LoRARequest, SamplingParams
+
+NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+def _prompts(n=3, seed=3):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(k)] for k in (7, 19, 40)[:n]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tiny_model, tmp_path_factory, hf_greedy):
+    """(base folder, {name: adapter folder}, {name or None: HF reference tokens per prompt})."""
+    base = tiny_model(request.param)
+    tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
+    adapters = {
+        "a": make_adapter(base, tmp / "a", 8, 16, ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], seed=1),
+        "b": make_adapter(base, tmp / "b", 16, 8, ALL, seed=2, rslora=True),
+        "c": make_adapter(base, tmp / "c", 4, 8, ["k_proj", "up_proj"], seed=3),
+    }
+    prompts = _prompts()
+    ref = {None: hf_greedy(base, prompts, NEW)}
+    for name, folder in adapters.items():
+        ref[name] = hf_greedy(merged_copy(base, folder, tmp / f"merged-{name}"), prompts, NEW)
+    for name in adapters:
+        assert ref[name] != ref[None], f"adapter {name} must change the tokens, or the test shows nothing"
+    return base, adapters, ref
+
+
+def _llm(base, **kw):
+    return LLM(str(base), dtype="float32", device="cpu", skip_tokenizer_init=True, enable_lora=True, **kw)
+
+
+def _mixed(adapters):
+    """Every prompt under a, b and no adapter: one batch of 9 requests."""
+    prompts = _prompts()
+    rows = [(p, i, name) for name in ("a", None, "b") for i, p in enumerate(prompts)]
+    return rows
+
+
+def test_mixed_batch_equals_hf_peft_merged_through_lora_request(setup):
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=2)
+    rows = _mixed(adapters)
+    ids = {"a": 1, "b": 2}
+    reqs = [None if name is None else LoRARequest(name, ids[name], str(adapters[name])) for _, _, name in rows]
+    outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_request=reqs)
+    for (_p, i, name), out in zip(rows, outs):
+        assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
+
+
+def test_mixed_batch_through_add_lora_adapter(setup):
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=2, max_lora_rank=16)
+    llm.add_lora_adapter("a", str(adapters["a"]))
+    llm.add_lora_adapter("b", str(adapters["b"]))
+    assert llm.list_lora_adapters() == ["a", "b"]
+    rows = _mixed(adapters)
+    outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
+    for (_p, i, name), out in zip(rows, outs):
+        assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
+    llm.remove_lora_adapter("a")
+    assert llm.list_lora_adapters() == ["b"]
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        llm.generate([rows[0][0]], GREEDY, use_tqdm=False, lora_adapter="a")
+    llm.add_lora_adapter("a", str(adapters["c"]))  # a name reused for another adapter: its own cache keys
+    out = llm.generate(_prompts()[2], GREEDY, use_tqdm=False, lora_adapter="a")
+    assert out[0].outputs[0].token_ids == ref["c"][2]
+
+
+def test_one_slot_three_adapters_all_finish_with_the_same_tokens(setup):
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=1, max_cpu_loras=2)
+    for name in "abc":
+        llm.add_lora_adapter(name, str(adapters[name]))
+    prompts = _prompts()
+    rows = [(p, i, name) for i, p in enumerate(prompts) for name in ("a", "b", None, "c")]
+    outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
+    for (_p, i, name), out in zip(rows, outs):
+        assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
+    slots = llm.llm_engine.core.scheduler.lora
+    assert not slots.holders and not slots.users  # every slot released
+    # first come, first served: a request whose adapter finds the slot busy waits, and so do those behind it, so
+    # the slot swaps a -> b -> c for each prompt's group
+    assert slots.num_loads == 9
+
+
+def test_prefix_cache_is_keyed_by_adapter(setup):
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=2, block_size=16)
+    llm.add_lora_adapter("a", str(adapters["a"]))
+    llm.add_lora_adapter("b", str(adapters["b"]))
+    prompt = _prompts()[2]  # 40 tokens: two full blocks to reuse
+    engine = llm.llm_engine
+
+    def run(name):
+        hits = engine.stats().prefix_cache_hits
+        out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_adapter=name)[0]
+        assert out.outputs[0].token_ids == ref[name][2]
+        return engine.stats().prefix_cache_hits - hits, out.num_cached_tokens
+
+    assert run("a") == (0, 0)
+    assert run("b") == (0, 0)  # the same prompt under another adapter computes again
+    assert run(None) == (0, 0)  # and under the base model
+    assert run("a") == (32, 32)  # under the same adapter it hits
+    assert run("b") == (32, 32)
+
+
+def test_bad_adapters_are_refused_with_the_reason(setup, tmp_path):
+    base, adapters, _ = setup
+    llm = _llm(base, max_lora_rank=8)
+    with pytest.raises(ValueError, match="rank 16, above --max-lora-rank 8"):
+        llm.add_lora_adapter("b", str(adapters["b"]))
+    with pytest.raises(ValueError, match="is not a folder"):
+        llm.add_lora_adapter("x", str(tmp_path / "missing"))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (pickled / "adapter_model.bin").write_bytes(b"\x80")
+    with pytest.raises(ValueError, match="pickled weights"):
+        llm.add_lora_adapter("x", str(pickled))
+    emb = tmp_path / "emb"
+    make_adapter(base, emb, 8, 8, ["q_proj", "embed_tokens"], seed=4)
+    with pytest.raises(ValueError, match="embeddings or the LM head"):
+        llm.add_lora_adapter("x", str(emb))
+    llm.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapters["a"]))])
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'a'"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 1, str(adapters["c"])))
+    assert llm.list_lora_adapters() == []
+    plain = LLM(str(base), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        plain.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapters["a"])))
+
+
+def test_engine_process_front_end_serves_adapters(setup):
+    """The core in its own process: adapters checked in the front end, loaded in the engine process."""
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=2, engine_process=True)
+    try:
+        llm.add_lora_adapter("a", str(adapters["a"]))
+        rows = _mixed(adapters)
+        reqs = [None if n != "b" else LoRARequest("b", 7, str(adapters["b"])) for _, _, n in rows]
+        names = ["a" if n == "a" else None for _, _, n in rows]
+        # per prompt either a LoRARequest or a name: two calls, both through the engine process
+        outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_request=reqs)
+        outs_a = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=names)
+        for (_p, i, name), out, out_a in zip(rows, outs, outs_a):
+            assert out.outputs[0].token_ids == ref[None if name == "a" else name][i]
+            assert out_a.outputs[0].token_ids == ref[None if name == "b" else name][i]
+        llm.remove_lora_adapter("a")
+        assert llm.generate(_prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref[None][0]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_on_gloo_equals_tp1(setup):
+    """A and B shard as their base layers (column-parallel: B's rows; row-parallel: A's input columns, the rank-R
+    partial products all-reduced): the mixed batch under TP=2 gives TP=1's tokens (= HF's)."""
+    import torch.distributed as dist
+
+    base, adapters, ref = setup
+    llm = _llm(base, max_loras=2, tensor_parallel_size=2, max_num_batched_tokens=32)  # chunked prefill too
+    try:
+        llm.add_lora_adapter("a", str(adapters["a"]))
+        llm.add_lora_adapter("b", str(adapters["b"]))
+        rows = _mixed(adapters)
+        outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
+        for (_p, i, name), out in zip(rows, outs):
+            assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
+    finally:
+        llm.llm_engine.shutdown()
+    assert not dist.is_initialized()
