@@ -147,7 +147,8 @@ class EngineCore:
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
             num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None,
-            sliding_window=mc.kv_window(), **measured)
+            sliding_window=mc.kv_window(), max_loras=c.max_loras if c.enable_lora else 0,
+            max_lora_rank=c.max_lora_rank, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:

@@ -182,3 +182,59 @@ def test_tp2_on_gloo_equals_tp1(setup):
     finally:
         llm.llm_engine.shutdown()
     assert not dist.is_initialized()
+
+
+def test_memory_plan_counts_the_adapter_slots_the_engine_holds(setup):
+    base, _, _ = setup
+    llm = _llm(base, max_loras=3, max_lora_rank=32)
+    plan = llm.llm_engine.info.memory_plan
+    assert plan["lora_bytes"] == llm.llm_engine.core.runner.lora.nbytes() > 0
+    assert plan["non_kv_bytes"] - plan["lora_bytes"] == LLM(
+        str(base), dtype="float32", device="cpu", skip_tokenizer_init=True).llm_engine.info.memory_plan["non_kv_bytes"]
+
+
+def test_planner_and_doctor_count_lora_slots_for_an_8b_model():
+    from vserve.core.memory import GiB, plan_memory
+    from vserve.ops.model_shapes import known_shape
+
+    m = known_shape("llama-3.1-8b")
+    base = plan_memory(m, gpu_memory_bytes=80 * GiB, max_model_len=8192)
+    five = plan_memory(m, gpu_memory_bytes=80 * GiB, max_model_len=8192, max_loras=5, max_lora_rank=16)
+    # per layer and slot, rank 16: A 16 x (3 x 4096 + 4096 + 2 x 4096 + 14336), B (6144 + 4096 + 28672 + 4096) x 16
+    per_slot_layer = 16 * (3 * 4096 + 4096 + 2 * 4096 + 14336) + (6144 + 4096 + 2 * 14336 + 4096) * 16
+    assert five.lora_bytes == 5 * 32 * per_slot_layer * 2  # bf16: 5 adapters are ~0.4% of the 16 GB of weights
+    assert five.kv_cache_bytes < base.kv_cache_bytes
+    assert base.kv_cache_bytes - five.kv_cache_bytes < five.lora_bytes + five.kv_bytes_per_block
+    assert five.non_kv_bytes == base.non_kv_bytes + five.lora_bytes
+
+
+def test_doctor_plans_the_lora_slots(monkeypatch):
+    from typer.testing import CliRunner
+
+    from vserve.cli.main import app
+    from vserve.ops import probe
+    from vserve.ops.doctor import Environment
+
+    monkeypatch.setattr(probe, "probe_environment", lambda: Environment(gpus=[]))
+    args = ["doctor", "llama-3.1-8b", "--profile", "h200", "--max-model-len", "8192", "--json"]
+    plain = json.loads(CliRunner().invoke(app, args).stdout)["plan"]
+    lora = json.loads(CliRunner().invoke(app, [*args, "--max-loras", "5"]).stdout)["plan"]
+    assert plain["lora_bytes"] == 0 and lora["lora_bytes"] > 0
+    assert lora["kv_cache_bytes"] < plain["kv_cache_bytes"]
+    bad = CliRunner().invoke(app, [*args, "--max-lora-rank", "12"])
+    assert bad.exit_code == 2 and "--max-lora-rank must be one of" in bad.output
+
+
+def test_lora_flags_validate_and_show_their_source():
+    from vserve.core.config import EngineConfig
+
+    cfg = EngineConfig.resolve({"enable_lora": True, "max_loras": 4, "max_lora_rank": None})
+    rows = {flag: (value, source) for flag, value, source in cfg.describe()}
+    assert rows["--enable-lora"] == (True, "flag") and rows["--max-loras"] == (4, "flag")
+    assert rows["--max-lora-rank"] == (16, "default") and rows["--max-cpu-loras"] == (None, "default")
+    for flags, message in [({"max_loras": 0}, "--max-loras must be >= 1, got 0"),
+                           ({"max_loras": 4, "max_cpu_loras": 2}, "--max-cpu-loras must be >= --max-loras"),
+                           ({"max_lora_rank": 24}, "--max-lora-rank must be one of 8, 16, 32"),
+                           ({"enable_lora": True, "pipeline_parallel_size": 2}, "with --enable-lora")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.resolve(flags)

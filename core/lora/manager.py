@@ -54,7 +54,7 @@ class LoRASlots:
             slot = self.slot_ids.index(None) if None in self.slot_ids else next(iter(self.idle))
             self._vacate(slot)
             self.slot_ids[slot], self.slot_of[lid] = lid, slot
-            self.loads.append((slot, lid, self.paths[lid]))
+            self.loads.append((slot, lid, req.lora_path))  # the request's own: the adapter may be removed since
             self.num_loads += 1
         self.idle.pop(self.slot_of[lid], None)
         self.users[lid] += 1
