@@ -31,6 +31,12 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
     disable_uvicorn_access_log: bool = typer.Option(False, "--disable-uvicorn-access-log",
                                                     help="No log line per HTTP request"),
+    lora_modules: list[str] | None = typer.Option(None, help="LoRA adapter NAME=PATH served from the start (needs "
+                                                  "--enable-lora); repeat it for more; a request picks one by "
+                                                  "its `model`"),
+    enable_lora_runtime_updating: bool = typer.Option(False, "--enable-lora-runtime-updating",
+                                                      help="Serve POST /v1/load_lora_adapter and "
+                                                      "/v1/unload_lora_adapter (else 404)"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -56,6 +62,7 @@ def serve(
     print_config(config)
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
-                        access_log=not disable_uvicorn_access_log)
+                        access_log=not disable_uvicorn_access_log, lora_modules=tuple(lora_modules or ()),
+                        lora_runtime_updating=enable_lora_runtime_updating)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

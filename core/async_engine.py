@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import InprocClient, start_core
 from vserve.core.engine_core import CoreStats, EngineStats, encode_request
+from vserve.core.lora.adapter import LoRARequest
+from vserve.core.lora.registry import LoRARegistry, set_adapter
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
@@ -155,6 +157,7 @@ class AsyncLLM:
             self.pid = None
             log.info("engine loop on a thread of the server process")
         self.engine = EngineView(processor)
+        self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, processor.model_config)
         self.output = OutputProcessor(processor.tokenizer)
         self._reader = threading.Thread(target=self._read, name="vserve-engine", daemon=True)
 
@@ -189,13 +192,15 @@ class AsyncLLM:
 
     # ---- requests (on the event loop) ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """With `stream`, yield deltas (each output holds only the text, tokens and logprobs new since the one
         before) until finished; else one cumulative, finished output. Cancelling the iterator aborts the
         request."""
         if self.error is not None:
             raise self._dead()
         children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError for bad input
+        set_adapter(children, self.loras.resolve(lora_request))
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
             num_waiting = self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
@@ -225,6 +230,13 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def add_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Check an adapter folder and serve it under `name` (ValueError when bad: nothing is added)."""
+        return self.loras.add(name, path)
+
+    def remove_lora_adapter(self, name: str) -> None:
+        self.client.send(("remove_lora", self.loras.remove(name).lora_int_id))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -42,6 +42,8 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running / waiting requests (LoRA on)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -331,7 +333,13 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=self.kv.num_free_blocks(),
             num_blocks=self.kv.pool.num_blocks,
+            **(self._lora_adapters() if self.scheduler.lora is not None else {}),
         )
+
+    def _lora_adapters(self) -> dict:
+        s = self.scheduler
+        return {"running_lora_adapters": tuple(sorted({r.lora_name for r in s.running if r.lora_id})),
+                "waiting_lora_adapters": tuple(sorted({r.lora_name for r in s.waiting if r.lora_id}))}
 
     def core_stats(self, seconds: float) -> CoreStats:
         return CoreStats(self.stats(), self.num_generated_tokens, self.num_computed_prompt_tokens,

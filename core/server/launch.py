@@ -27,6 +27,8 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     log_interval_s: float = 10.0
     access_log: bool = True  # uvicorn's line per request (vLLM's --disable-uvicorn-access-log turns it off)
+    lora_modules: tuple[str, ...] = ()  # name=path: LoRA adapters served from the start, selected by `model`
+    lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -42,6 +44,9 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     from vserve.core.hub import resolve_model_files
 
     names = served_model_names(config.model, opts.served_model_name)
+    modules = parse_lora_modules(opts.lora_modules, names)
+    if (modules or opts.lora_runtime_updating) and not config.enable_lora:
+        raise ValueError(f"{'--lora-modules' if modules else '--enable-lora-runtime-updating'} needs --enable-lora")
     with startup.phase("resolve model"):
         config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
@@ -51,13 +56,34 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
         embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
     else:
         engine = _build_engine(config, opts)
+        try:
+            for name, path in modules:
+                engine.add_lora_adapter(name, path)
+        except BaseException:
+            engine.shutdown(0.0)
+            raise
     settings = ServerSettings(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
-                              api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s)
+                              api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s,
+                              max_loras=config.max_loras if config.enable_lora else None,
+                              lora_runtime_updating=opts.lora_runtime_updating)
     app = build_app(engine, settings, embedder=embedder)
     if engine is not None:
         metrics = app.state.metrics
         engine.on_step, engine.on_finish = metrics.on_step, metrics.on_finish
     return app, engine
+
+
+def parse_lora_modules(given: tuple[str, ...], base_names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """--lora-modules' name=path pairs (ValueError naming a malformed or repeated one)."""
+    pairs: list[tuple[str, str]] = []
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
+        if name in base_names or any(name == n for n, _ in pairs):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice (or is the base model's)")
+        pairs.append((name, path))
+    return pairs
 
 
 def served_model_names(model: str | None, given: tuple[str, ...]) -> tuple[str, ...]:
