@@ -238,3 +238,36 @@ def test_lora_flags_validate_and_show_their_source():
                            ({"enable_lora": True, "pipeline_parallel_size": 2}, "with --enable-lora")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig.resolve(flags)
+
+
+def test_bench_throughput_spreads_random_adapters_over_the_requests(tiny_model, monkeypatch):
+    """`vserve bench throughput --num-loras 3 --lora-rank 8` on CPU: three random adapters (all seven projections)
+    round-robin over the requests, every token generated; the report says so."""
+    from typer.testing import CliRunner
+
+    import vserve.cli.bench as bench
+    from vserve.cli.main import app
+
+    seen = []
+    real_generate = LLM.generate
+
+    def generate(self, prompts, params=None, use_tqdm=True, lora_request=None, **kw):
+        if isinstance(params, list) and len(prompts) == 7:  # the timed run
+            seen.append([(lr.lora_name, lr.lora_int_id) for lr in lora_request])
+            seen.append(sorted(self.llm_engine.core.runner.lora.cpu))  # warmed up: every adapter read
+        return real_generate(self, prompts, params, use_tqdm, lora_request=lora_request, **kw)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    args = ["bench", "throughput", "--model", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32",
+            "--num-prompts", "7", "--input-len", "8", "--output-len", "3", "--num-loras", "3", "--lora-rank", "8",
+            "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["output_tokens"] == 21 and out["lora"] == {"num_loras": 3, "rank": 8, "max_loras": 3}
+    names = [f"lora-{i % 3}" for i in range(7)]
+    assert seen == [[(n, int(n[-1]) + 1) for n in names], [1, 2, 3]]
+    bad = CliRunner().invoke(app, [*args[:-1], "--backend", "hf"])
+    assert bad.exit_code == 2 and "--num-loras runs vserve only" in bad.output
+    assert bench.lora_engine_args({"max_loras": None, "max_lora_rank": None}, 4, 20) == {
+        "enable_lora": True, "max_loras": 4, "max_lora_rank": 32}

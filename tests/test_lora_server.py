@@ -8,8 +8,8 @@ import threading
 import httpx
 import openai
 import pytest
-
 from lora_fixtures import ALL, make_adapter
+
 from vserve import LLM, SamplingParams
 
 KEY = "s3cret"
