@@ -80,9 +80,11 @@ def test_mixed_batch_through_add_lora_adapter(setup):
     assert out[0].outputs[0].token_ids == ref["c"][2]
 
 
-def test_one_slot_three_adapters_all_finish_with_the_same_tokens(setup):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_slot_three_adapters_all_finish_with_the_same_tokens(setup, async_scheduling):
+    """With async scheduling too: step N+1 is scheduled (and a freed slot reloaded) while step N is in flight."""
     base, adapters, ref = setup
-    llm = _llm(base, max_loras=1, max_cpu_loras=2)
+    llm = _llm(base, max_loras=1, max_cpu_loras=2, async_scheduling=async_scheduling)
     for name in "abc":
         llm.add_lora_adapter(name, str(adapters[name]))
     prompts = _prompts()

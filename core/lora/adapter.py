@@ -72,6 +72,8 @@ def _refusals(cfg: dict) -> str | None:
         return f"LoRA biases (bias={cfg.get('bias')!r})"
     if cfg.get("modules_to_save"):
         return f"modules_to_save ({cfg.get('modules_to_save')})"
+    if cfg.get("fan_in_fan_out"):
+        return "fan_in_fan_out (transposed, GPT-2 Conv1D) weights"
     if cfg.get("alpha_pattern"):
         return "alpha_pattern (per-module lora_alpha)"
     return None
