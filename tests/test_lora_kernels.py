@@ -73,3 +73,19 @@ def test_mapping_groups_rows_by_slot():
     assert m.slot_counts.tolist() == [2, 1, 0, 3]
     assert m.slot_starts.tolist() == [0, 2, 3, 3]
     assert m.token_order.tolist() == [1, 5, 2, 0, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_check_lora_rows_pass_under_the_interpreter(dtype):
+    """kernels/gpu_check.py's LoRA rows (what the H200 check runs in bf16/fp16 on the 8B shapes), on a tiny shape."""
+    from vserve.kernels import gpu_check
+
+    rows = gpu_check.check_lora("tiny-gqa4", gpu_check.TINY_MODELS["tiny-gqa4"], dtype, "cpu", tiny=True)
+    assert len(rows) == 16 and all(r.ok for r in rows), [r.cells() for r in rows if not r.ok]
+
+
+def test_gpu_check_lora_bench_runs_under_the_interpreter():
+    from vserve.kernels import gpu_check
+
+    rows = gpu_check.bench_lora("tiny-gqa4", gpu_check.TINY_MODELS["tiny-gqa4"], torch.float32, "cpu", tiny=True)
+    assert len(rows) == 8 and all(r.ms is not None for r in rows), [r.cells() for r in rows]
