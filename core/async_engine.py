@@ -157,7 +157,7 @@ class AsyncLLM:
             self.pid = None
             log.info("engine loop on a thread of the server process")
         self.engine = EngineView(processor)
-        self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, processor.model_config)
+        self.loras = LoRARegistry.for_config(config, processor.model_config)
         self.output = OutputProcessor(processor.tokenizer)
         self._reader = threading.Thread(target=self._read, name="vserve-engine", daemon=True)
 

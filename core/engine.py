@@ -37,7 +37,7 @@ class LLMEngine:
         self.max_model_len = self.processor.max_model_len
         self.stop_token_ids = self.processor.stop_token_ids
         self.output = OutputProcessor(self.tokenizer)
-        self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.model_config)
+        self.loras = LoRARegistry.for_config(config, self.model_config)
         self.last_stats: CoreStats | None = None
 
     @property

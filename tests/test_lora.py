@@ -273,3 +273,28 @@ def test_bench_throughput_spreads_random_adapters_over_the_requests(tiny_model, 
     assert bad.exit_code == 2 and "--num-loras runs vserve only" in bad.output
     assert bench.lora_engine_args({"max_loras": None, "max_lora_rank": None}, 4, 20) == {
         "enable_lora": True, "max_loras": 4, "max_lora_rank": 32}
+
+
+def test_adapter_by_hub_id_fetches_only_its_two_files(setup, monkeypatch, tmp_path):
+    """An adapter named by hub id (tests/hub_server.py stands in for the hub): only adapter_config.json and
+    adapter_model.safetensors are fetched, the engine gets the cached folder, the tokens are the local adapter's;
+    a pickle-only adapter repo is refused before any download."""
+    from hub_server import HubServer, folder_files
+
+    base, adapters, ref = setup
+    with HubServer() as hub:
+        hub.use(monkeypatch)
+        hub.add("org/adapter-a", {**folder_files(adapters["a"]), "README.md": b"# a\n",
+                                  "adapter_model.bin": b"\x80\x02pickle"})
+        hub.add("org/pickled", {"adapter_config.json": (adapters["a"] / "adapter_config.json").read_bytes(),
+                                "adapter_model.bin": b"\x80\x02pickle"})
+        llm = _llm(base, download_dir=str(tmp_path / "cache"))
+        llm.add_lora_adapter("h", "org/adapter-a")
+        assert sorted(hub.fetched()) == ["adapter_config.json", "adapter_model.safetensors"]
+        out = llm.generate(_prompts()[1], GREEDY, use_tqdm=False, lora_adapter="h")
+        assert out[0].outputs[0].token_ids == ref["a"][1]
+        assert llm.llm_engine.loras.by_name["h"].lora_path.startswith(str(tmp_path / "cache"))
+        hub.clear()
+        with pytest.raises(ValueError, match="holds no adapter_model.safetensors"):
+            llm.add_lora_adapter("p", "org/pickled")
+        assert hub.fetched() == []

@@ -45,6 +45,40 @@ class AdapterInfo:
     modules: tuple[str, ...]  # e.g. model.layers.0.self_attn.q_proj
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def resolve_adapter_path(path: str, download_dir: str | None = None, token: str | None = None) -> str:
+    """A local folder for an adapter: a path as it is, or a hub id (org/name) through huggingface_hub's cache,
+    fetching adapter_config.json and adapter_model.safetensors only (never pickle); HF_HUB_OFFLINE=1: the cache
+    alone. A path that is neither is left to inspect_adapter's 'is not a folder'."""
+    from vserve.core import hub
+
+    ref = None if Path(path).expanduser().exists() else hub.HubModel.parse(path)
+    if ref is None or ref.quant:
+        return path
+    from huggingface_hub import HfApi, snapshot_download
+
+    repo_id, cache = ref.repo_id, str(hub.cache_dir(download_dir))
+    try:
+        if hub._offline():
+            return snapshot_download(repo_id, allow_patterns=list(ADAPTER_FILES), cache_dir=cache,
+                                     local_files_only=True)
+        info = HfApi(token=token).model_info(repo_id)
+        names = {s.rfilename for s in info.siblings or []}
+        if "adapter_config.json" not in names:
+            raise ValueError(f"hub repo {repo_id!r} has no adapter_config.json: it is not a PEFT adapter")
+        if "adapter_model.safetensors" not in names:
+            raise ValueError(f"hub repo {repo_id!r} holds no adapter_model.safetensors (pickled weights can run code "
+                             f"when loaded; vserve reads safetensors only)")
+        return snapshot_download(repo_id, revision=info.sha, allow_patterns=list(ADAPTER_FILES), cache_dir=cache,
+                                 token=token, tqdm_class=hub._hf_tqdm())
+    except ValueError:
+        raise
+    except Exception as e:  # HfHubHTTPError, LocalEntryNotFoundError, connection errors
+        raise hub._hub_error(e, repo_id, "main") from None
+
+
 def _config(folder: Path) -> dict:
     if not folder.is_dir():
         raise ValueError(f"LoRA adapter {str(folder)!r} is not a folder")

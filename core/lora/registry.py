@@ -4,15 +4,24 @@ queued; the engine process loads the weights when a request first needs them."""
 
 from __future__ import annotations
 
-from vserve.core.lora.adapter import LoRARequest, inspect_adapter
+from dataclasses import replace
+
+from vserve.core.lora.adapter import LoRARequest, inspect_adapter, resolve_adapter_path
 from vserve.core.request import Request
 
 
 class LoRARegistry:
-    def __init__(self, enabled: bool, max_lora_rank: int, model_config=None) -> None:
+    def __init__(self, enabled: bool, max_lora_rank: int, model_config=None, download_dir: str | None = None,
+                 token: str | None = None) -> None:
         self.enabled, self.max_lora_rank, self.model_config = enabled, max_lora_rank, model_config
+        self.download_dir, self.token = download_dir, token  # for adapters given by hub id
         self.by_name: dict[str, LoRARequest] = {}
         self.by_id: dict[int, LoRARequest] = {}  # every adapter checked (added by name or seen in a request)
+        self.local: dict[int, LoRARequest] = {}  # the same with its local folder (hub ids resolved)
+
+    @classmethod
+    def for_config(cls, config, model_config) -> LoRARegistry:
+        return cls(config.enable_lora, config.max_lora_rank, model_config, config.download_dir, config.hf_token)
 
     def _require(self) -> None:
         if not self.enabled:
@@ -24,10 +33,11 @@ class LoRARegistry:
             if known != lr:
                 raise ValueError(f"lora_int_id {lr.lora_int_id} is already adapter {known.lora_name!r} at "
                                  f"{known.lora_path!r}; each adapter needs an id of its own")
-            return known
-        inspect_adapter(lr.lora_path, self.max_lora_rank, self.model_config)
-        self.by_id[lr.lora_int_id] = lr
-        return lr
+            return self.local[lr.lora_int_id]
+        local = replace(lr, lora_path=resolve_adapter_path(lr.lora_path, self.download_dir, self.token))
+        inspect_adapter(local.lora_path, self.max_lora_rank, self.model_config)
+        self.by_id[lr.lora_int_id], self.local[lr.lora_int_id] = lr, local
+        return local
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Check and name an adapter folder (ValueError for a bad one, or a name in use); nothing loads yet."""
@@ -44,7 +54,7 @@ class LoRARegistry:
         lr = self.by_name.pop(name, None)
         if lr is None:
             raise ValueError(f"no LoRA adapter named {name!r} (loaded: {', '.join(self.by_name) or 'none'})")
-        del self.by_id[lr.lora_int_id]
+        del self.by_id[lr.lora_int_id], self.local[lr.lora_int_id]
         return lr
 
     def resolve(self, lora_request: LoRARequest | None = None, lora_adapter: str | None = None) -> LoRARequest | None:
