@@ -168,7 +168,8 @@ def _module_shape(module: str, mc) -> tuple[int, int] | None:
     h, q, kv, inter = (mc.hidden_size, mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim,
                        mc.intermediate_size)
     shapes = {"self_attn": {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)},
-              "mlp": {} if getattr(mc, "num_experts", 0) else
+              # MoE experts and StarCoder2's plain c_fc/c_proj MLP are not adapted
+              "mlp": {} if getattr(mc, "num_experts", 0) or mc.architecture == "Starcoder2ForCausalLM" else
               {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}}
     return shapes[found[2]].get(found[3])
 

@@ -100,6 +100,7 @@ class LoRAModel:
                     raise ValueError("--enable-lora with W8A8 quantized linears (fp8/int8 activations) is not "
                                      "supported; serve a weight-only quantized or unquantized model")
                 self.layers.append(LoRALayer(mod, name, self))
+        self.modules = {m for layer in self.layers for m in layer.modules}  # the PEFT modules these layers adapt
         if not self.layers:
             raise ValueError("--enable-lora: this model has no projections vserve adapts (q/k/v/o, gate/up/down)")
 
@@ -124,6 +125,9 @@ class LoRAModel:
     def apply_loads(self, loads: list[tuple[int, int, str]]) -> None:
         for slot, lora_id, path in loads:
             weights = self.adapter(lora_id, path)
+            # the front end checked the modules against the model's config; this is the model's own word
+            assert set(weights) <= self.modules, f"adapter {path} adapts {sorted(set(weights) - self.modules)[:3]}"
+
             for layer in self.layers:
                 layer.set_slot(slot, weights)
 
