@@ -116,7 +116,8 @@ class LoRAModel:
         if lora_id in self.cpu:
             self.cpu.move_to_end(lora_id)
             return self.cpu[lora_id]
-        weights = load_adapter(path)
+        # scaled in float32, kept in the model's dtype (a bf16 8B model's rank-16 adapter: 84 MB, not 168)
+        weights = {m: (a.to(self.dtype), b.to(self.dtype)) for m, (a, b) in load_adapter(path).items()}
         self.cpu[lora_id] = weights
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
