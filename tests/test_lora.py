@@ -43,7 +43,7 @@ def _llm(base, **kw):
     return LLM(str(base), dtype="float32", device="cpu", skip_tokenizer_init=True, enable_lora=True, **kw)
 
 
-def _mixed(adapters):
+def _mixed():
     """Every prompt under a, b and no adapter: one batch of 9 requests."""
     prompts = _prompts()
     rows = [(p, i, name) for name in ("a", None, "b") for i, p in enumerate(prompts)]
@@ -53,12 +53,23 @@ def _mixed(adapters):
 def test_mixed_batch_equals_hf_peft_merged_through_lora_request(setup):
     base, adapters, ref = setup
     llm = _llm(base, max_loras=2)
-    rows = _mixed(adapters)
+    rows = _mixed()
     ids = {"a": 1, "b": 2}
     reqs = [None if name is None else LoRARequest(name, ids[name], str(adapters[name])) for _, _, name in rows]
+    runner, steps = llm.llm_engine.core.runner, []
+    build = runner.build_step
+
+    def spy(sched, block_ids):
+        step, sample = build(sched, block_ids)
+        steps.append((len(sched.requests), sorted(set(step.lora_slots.tolist()))))
+        return step, sample
+
+    runner.build_step = spy
     outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_request=reqs)
     for (_p, i, name), out in zip(rows, outs):
         assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
+    assert steps[0] == (9, [-1, 0, 1])  # ONE batch: all nine requests, rows of both adapters and of none
+    assert all(s == (9, [-1, 0, 1]) for s in steps)
 
 
 def test_mixed_batch_through_add_lora_adapter(setup):
@@ -67,7 +78,7 @@ def test_mixed_batch_through_add_lora_adapter(setup):
     llm.add_lora_adapter("a", str(adapters["a"]))
     llm.add_lora_adapter("b", str(adapters["b"]))
     assert llm.list_lora_adapters() == ["a", "b"]
-    rows = _mixed(adapters)
+    rows = _mixed()
     outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
     for (_p, i, name), out in zip(rows, outs):
         assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
@@ -152,7 +163,7 @@ def test_engine_process_front_end_serves_adapters(setup):
     llm = _llm(base, max_loras=2, engine_process=True)
     try:
         llm.add_lora_adapter("a", str(adapters["a"]))
-        rows = _mixed(adapters)
+        rows = _mixed()
         reqs = [None if n != "b" else LoRARequest("b", 7, str(adapters["b"])) for _, _, n in rows]
         names = ["a" if n == "a" else None for _, _, n in rows]
         # per prompt either a LoRARequest or a name: two calls, both through the engine process
@@ -177,7 +188,7 @@ def test_tp2_on_gloo_equals_tp1(setup):
     try:
         llm.add_lora_adapter("a", str(adapters["a"]))
         llm.add_lora_adapter("b", str(adapters["b"]))
-        rows = _mixed(adapters)
+        rows = _mixed()
         outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
         for (_p, i, name), out in zip(rows, outs):
             assert out.outputs[0].token_ids == ref[name][i], f"prompt {i} under adapter {name}"
