@@ -18,10 +18,11 @@ BLOCK_M = 16
 
 
 @triton.jit(do_not_specialize=["T"])
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, K, RT,
-                   stride_xt, stride_as, stride_ar, stride_ot,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_r, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, K, RT, K_PER,
+                   stride_xt, stride_as, stride_ar, stride_ot, stride_os,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_r, pid_sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, split = pid_sk // SPLIT_K, pid_sk % SPLIT_K  # split-K: this program's share of the input features
     count = tl.load(counts_ptr + s + 1)
     if pid_m * BLOCK_M >= count:
         return
@@ -33,15 +34,16 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, 
     mask_r = offs_r < RT
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     a_base = a_ptr + s.to(tl.int64) * stride_as
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(K, (split + 1) * K_PER)
+    for k0 in range(split * K_PER, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None],
                      other=0.0)
         acc += tl.dot(xt, at)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + offs_r[None, :], acc,
+    tl.store(out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_ot + offs_r[None, :], acc,
              mask=mask_m[:, None] & mask_r[None, :])
 
 
@@ -77,17 +79,28 @@ def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, b
     tl.store(o_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping) -> torch.Tensor:
+def shrink_split_k(T: int, K: int) -> int:
+    """Splits of the input features for the shrink: a decode step has few row blocks, each a long dot over K
+    (14336 for an 8B down_proj), so K is split until about 64 row blocks x splits run; prefill steps do not split."""
+    return max(1, min(K // 512, 64 // triton.cdiv(T, BLOCK_M)))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: int | None = None) -> torch.Tensor:
     T, K = x.shape
     S, RT, _ = lora_a.shape
     assert x.stride(1) == 1 and lora_a.stride(2) == 1
-    out = torch.empty(T, RT, dtype=torch.float32, device=x.device)  # rows without adapter: never read
+    block_k = 64
+    split = split_k or shrink_split_k(T, K)
+    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    split = triton.cdiv(K, k_per)
+    # rows without adapter: never read. Split partials are summed after, in order: deterministic, unlike atomics.
+    out = torch.empty(split, T, RT, dtype=torch.float32, device=x.device)
     block_r = min(64, triton.next_power_of_2(RT))
-    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(RT, block_r), S)
-    _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, T, K, RT,
-                         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=64)
-    return out
+    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(RT, block_r), S * split)
+    _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, T, K, RT, k_per,
+                         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(1), out.stride(0),
+                         SPLIT_K=split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out[0] if split == 1 else out.sum(0)
 
 
 @cache

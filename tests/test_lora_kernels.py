@@ -17,7 +17,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2,
 CASES = [  # rank (stored R), slices' widths, K, row counts per slot (-1 first: rows without adapter)
     (16, (48,), 40, {-1: 3, 0: 5, 2: 1}),
     (32, (32, 16, 16), 64, {-1: 0, 0: 1, 1: 19, 2: 2}),  # packed q/k/v, one slot with more than a row block
-    (64, (24, 24), 72, {-1: 7, 1: 4}),  # packed gate/up
+    (64, (24, 24), 300, {-1: 7, 1: 4}),  # packed gate/up; K in three splits of 128, 128 and 44
 ]
 
 
@@ -55,8 +55,10 @@ def test_shrink_expand_match_reference_and_meaning(case, dtype, seed):
     msg = f"(torch.manual_seed({seed}))"
 
     buf_ref = lora_ref.lora_shrink_ref(x, a, m)
-    buf = triton_lora.lora_shrink(x, a, m)
-    torch.testing.assert_close(buf[has], buf_ref[has], **TOL[dtype], msg=lambda s: f"{s}\n{msg}")
+    for split_k in (None, 1, 3):  # the heuristic's split, none, and three slices of K (the last one short)
+        buf = triton_lora.lora_shrink(x, a, m, split_k)
+        torch.testing.assert_close(buf[has], buf_ref[has], **TOL[dtype],
+                                   msg=lambda s, k=split_k: f"{s}\nsplit {k} {msg}")
 
     out_ref, out = base.clone(), base.clone()
     lora_ref.lora_expand_ref(buf_ref, b, out_ref, m, bounds)
