@@ -83,11 +83,13 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation or a list of them, through the model's chat template (or `chat_template`)."""
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             lora_adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """One conversation or a list of them, through the model's chat template (or `chat_template`); the
+        adapters as for generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request, lora_adapter=lora_adapter)
 
     def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:

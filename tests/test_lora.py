@@ -309,3 +309,14 @@ def test_adapter_by_hub_id_fetches_only_its_two_files(setup, monkeypatch, tmp_pa
         with pytest.raises(ValueError, match="holds no adapter_model.safetensors"):
             llm.add_lora_adapter("p", "org/pickled")
         assert hub.fetched() == []
+
+
+def test_chat_takes_the_adapter_as_generate_does(setup):
+    base, adapters, _ = setup
+    llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True)
+    llm.add_lora_adapter("a", str(adapters["a"]))
+    conv = [{"role": "user", "content": "Say something."}]
+    ids = llm.apply_chat_template(conv)
+    chat = llm.chat(conv, GREEDY, use_tqdm=False, lora_adapter="a")[0].outputs[0].token_ids
+    assert chat == llm.generate(ids, GREEDY, use_tqdm=False, lora_adapter="a")[0].outputs[0].token_ids
+    assert chat != llm.chat(conv, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
