@@ -233,7 +233,9 @@ class AsyncLLM:
 
     def add_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Check an adapter folder and serve it under `name` (ValueError when bad: nothing is added)."""
-        return self.loras.add(name, path)
+        lr = self.loras.add(name, path)
+        self.client.send(("load_lora", (lr.lora_int_id, lr.lora_name, lr.lora_path)))
+        return lr
 
     def remove_lora_adapter(self, name: str) -> None:
         self.client.send(("remove_lora", self.loras.remove(name).lora_int_id))

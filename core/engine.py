@@ -105,7 +105,9 @@ class LLMEngine:
 
     # ---- LoRA adapters by name (the seeds' API) ------------------------------------------------------------------
     def add_lora_adapter(self, name: str, path: str) -> LoRARequest:
-        return self.loras.add(name, path)
+        lr = self.loras.add(name, path)
+        self._send(("load_lora", (lr.lora_int_id, lr.lora_name, lr.lora_path)))
+        return lr
 
     def remove_lora_adapter(self, name: str) -> None:
         self._send(("remove_lora", self.loras.remove(name).lora_int_id))

@@ -10,6 +10,7 @@ from a core in this process or in an engine process of its own.
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from vserve.core.sampler import Logprob, SampledTokens
 from vserve.core.scheduler import Scheduler
 from vserve.core.worker import start_tensor_parallel
 from vserve.ops import startup
+
+log = logging.getLogger("vserve.engine")
 
 
 @dataclass
@@ -209,6 +212,17 @@ class EngineCore:
             if req is not None and not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.runner.sampler.release(rid)
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read an adapter added by name into the CPU cache now, so its first request's step does not wait for the
+        disk (the front end checked the folder; a failure here is logged and left to that first step)."""
+        if self.scheduler.lora is None:
+            return
+        self.scheduler.lora.register(lora_id, name, path)
+        try:
+            self.runner.lora.adapter(lora_id, path)
+        except Exception as e:  # a folder changed since the front end checked it
+            log.warning("could not preload LoRA adapter %r from %s: %r", name, path, e)
 
     def remove_lora(self, lora_id: int) -> None:
         """Forget an adapter its front end removed: its slot frees once no running request uses it."""

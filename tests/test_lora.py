@@ -78,6 +78,7 @@ def test_mixed_batch_through_add_lora_adapter(setup):
     llm.add_lora_adapter("a", str(adapters["a"]))
     llm.add_lora_adapter("b", str(adapters["b"]))
     assert llm.list_lora_adapters() == ["a", "b"]
+    assert sorted(llm.llm_engine.core.runner.lora.cpu) == [1, 2]  # read at add time, not in a step
     rows = _mixed()
     outs = llm.generate([p for p, _, _ in rows], GREEDY, use_tqdm=False, lora_adapter=[n for _, _, n in rows])
     for (_p, i, name), out in zip(rows, outs):
