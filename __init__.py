@@ -16,7 +16,7 @@ _ROOT = _Path(__file__).resolve().parent
 _sys.path[:] = [p for p in _sys.path if _Path(p or ".").resolve() != _ROOT]
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "StructuredOutputsParams",
-           "GuidedDecodingParams", "__version__"]
+           "GuidedDecodingParams", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -36,6 +36,10 @@ def __getattr__(name: str):
         from vserve.core import structured_output
 
         return getattr(structured_output, name)
+    if name == "LoRARequest":
+        from vserve.core.lora.adapter import LoRARequest
+
+        return LoRARequest
     if name == "EngineConfig":
         from vserve.core.config import EngineConfig
 

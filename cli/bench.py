@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,7 +53,8 @@ def special_ids(tok) -> set[int]:
     return set(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
-def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_fraction: float = 1.0) -> Result:
+def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_fraction: float = 1.0,
+               loras: list | None = None) -> Result:
     # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length. extra
     # (repetition_penalty, logprobs) goes to an evenly spread extra_fraction of the requests.
     extra = extra or {}
@@ -64,11 +66,32 @@ def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_frac
                              **(extra if takes_extra(i) else {})) for i, o in enumerate(w.output_lens)]
     # Warm-up; 8 tokens are less than the smallest block, so the prefix cache keeps nothing the run reuses.
     llm.generate([w.prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    if loras:  # and each adapter read once (CPU copies; slots while they are enough), outside the timed run
+        llm.generate([w.prompts[0][:8]] * len(loras), SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                     lora_request=loras)
     start = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=True)
+    # --num-loras: the adapters round-robin over the requests
+    lora_request = [loras[i % len(loras)] for i in range(len(w.prompts))] if loras else None
+    outs = llm.generate(w.prompts, params, use_tqdm=True, lora_request=lora_request)
     elapsed = time.perf_counter() - start
     return Result("vserve", len(outs), sum(map(len, w.prompts)),
                   sum(len(c.token_ids) for o in outs for c in o.outputs), elapsed)
+
+
+def lora_engine_args(engine_args: dict[str, Any], num_loras: int, rank: int) -> dict[str, Any]:
+    """Engine args for --num-loras: LoRA on, every adapter resident unless --max-loras says otherwise, and
+    --max-lora-rank at least the adapters' rank."""
+    from vserve.core.config import LORA_RANKS
+
+    if rank > LORA_RANKS[-1]:
+        raise ValueError(f"--lora-rank must be <= {LORA_RANKS[-1]}, got {rank}")
+    args = dict(engine_args)
+    if args.get("enable_lora") is False:
+        raise ValueError("--num-loras needs LoRA on (drop --no-enable-lora)")
+    args["enable_lora"] = True
+    args["max_loras"] = args.get("max_loras") or num_loras
+    args["max_lora_rank"] = args.get("max_lora_rank") or next(r for r in LORA_RANKS if r >= rank)
+    return args
 
 
 def hf_model_folder(engine_args: dict[str, Any]) -> tuple[Path, str]:
@@ -219,11 +242,21 @@ def throughput(
     logprobs: int = typer.Option(None, help="Top logprobs per token for the requests --sampling-fraction picks."),
     sampling_fraction: float = typer.Option(1.0, help="Fraction of the requests (spread evenly) that take "
                                             "--repetition-penalty and --logprobs."),
+    num_loras: int = typer.Option(0, help="Random rank --lora-rank LoRA adapters on q/k/v/o/gate/up/down, spread "
+                                  "round-robin over the requests (turns on --enable-lora; --max-loras defaults to "
+                                  "this)."),
+    lora_rank: int = typer.Option(16, help="Rank of the --num-loras adapters."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
     """Offline throughput of a workload (random, file, chat, prefix) with exact output lengths (eos ignored)."""
+    if num_loras < 0 or lora_rank < 1:
+        raise ValueError(f"--num-loras must be >= 0 and --lora-rank >= 1, got {num_loras} and {lora_rank}")
+    if num_loras:
+        if backend != "vserve":
+            raise ValueError("--num-loras runs vserve only (--backend vserve)")
+        engine_args = lora_engine_args(engine_args, num_loras, lora_rank)
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if not 0.0 <= sampling_fraction <= 1.0:
@@ -248,7 +281,17 @@ def throughput(
     if longest > engine.max_model_len:
         raise ValueError(f"the workload has a request of {longest} tokens (prompt + output), more than "
                          f"--max-model-len {engine.max_model_len}")
-    results = [run_vserve(llm, w, extra, sampling_fraction)]
+    lora_dir = tempfile.TemporaryDirectory(prefix="vserve-bench-lora-") if num_loras else None
+    loras = None
+    if lora_dir is not None:
+        from vserve.core.lora.dummy import write_dummy_adapters
+
+        loras = write_dummy_adapters(Path(lora_dir.name), engine.model_config, num_loras, lora_rank, seed)
+    try:
+        results = [run_vserve(llm, w, extra, sampling_fraction, **({"loras": loras} if loras else {}))]
+    finally:
+        if lora_dir is not None:
+            lora_dir.cleanup()
     notes = []
     if hf_folder is not None:
         dtype, device = engine.dtype, engine.device
@@ -266,7 +309,9 @@ def throughput(
                          "as vserve's do.")
     report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "dataset": dataset,
               "input_len": list(in_len), "output_len": list(out_len), "seed": seed,
-              "sampling": {**extra, "fraction": sampling_fraction} if extra else None}
+              "sampling": {**extra, "fraction": sampling_fraction} if extra else None,
+              "lora": {"num_loras": num_loras, "rank": lora_rank, "max_loras": engine_args["max_loras"]}
+              if num_loras else None}
     if len(results) > 1:
         report["peers"] = [r.as_dict() for r in results[1:]]
         report["ratios"] = {r.backend: report["output_tokens_per_s"] / max(r.as_dict()["output_tokens_per_s"], 1e-9)

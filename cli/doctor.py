@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vserve.cli.engine_args import exit_on_bad_input
-from vserve.core.config import KV_CACHE_DTYPES  # plain dataclass module, no torch
+from vserve.core.config import KV_CACHE_DTYPES, LORA_RANKS  # plain dataclass module, no torch
 
 console = Console(highlight=False)
 STYLE = {"ok": ("✓ ok", "green"), "warn": ("! warn", "yellow"), "fail": ("✗ fail", "red"), "skip": ("- skip", "dim")}
@@ -32,6 +32,8 @@ def doctor(
                                                         "profile's)"),
     max_num_seqs: int | None = typer.Option(None, help="Most sequences in one step (default: the profile's)"),
     kv_cache_dtype: str = typer.Option("auto", help="auto or fp8: plan the KV cache in the model's dtype or fp8"),
+    max_loras: int = typer.Option(0, help="LoRA adapter slots to plan for (--enable-lora --max-loras N; 0: none)"),
+    max_lora_rank: int = typer.Option(16, help="LoRA rank the slots hold"),
     revision: str | None = typer.Option(None, help="Hub branch, tag or commit of a hub MODEL (default: main)"),
     download_dir: str | None = typer.Option(None, help="Hugging Face cache folder for a hub MODEL"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report"),
@@ -45,13 +47,18 @@ def doctor(
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
+        if max_loras < 0:
+            raise ValueError(f"--max-loras must be >= 0, got {max_loras}")
+        if max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"--max-lora-rank must be one of {', '.join(map(str, LORA_RANKS))}, got {max_lora_rank}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         env = probe.probe_environment()
         report = run_doctor(env, model=model, profile=profile, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, quantization=quantization,
                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                            kv_cache_dtype=kv_cache_dtype, revision=revision, download_dir=download_dir)
+                            kv_cache_dtype=kv_cache_dtype, revision=revision, download_dir=download_dir,
+                            max_loras=max_loras, max_lora_rank=max_lora_rank)
     if json_out:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:
@@ -76,6 +83,7 @@ def render(report) -> None:
         plan.add_column("size", justify="right")
         for part, n in (("weights", p.weights_bytes), ("activation peak", p.activation_bytes),
                         ("CUDA graph pool", p.cuda_graph_bytes), ("runtime (outside torch)", p.runtime_bytes),
+                        *([("LoRA adapter slots", p.lora_bytes)] if p.lora_bytes else []),
                         ("KV cache", p.kv_cache_bytes), ("total", p.total_bytes),
                         (f"budget ({p.gpu_memory_utilization} x {fmt_bytes(p.gpu_memory_bytes or 0)})",
                          p.budget_bytes)):

@@ -99,6 +99,10 @@ ENGINE_FLAGS = (
     EngineFlag("device", str, "auto | cpu | cuda; auto: cuda when available"),
     EngineFlag("kv_cache_memory_gib", float, "KV cache size in GiB", "sized by the engine from free memory"),
     EngineFlag("num_kv_blocks", int, "Force the number of KV blocks", "from the KV cache size"),
+    EngineFlag("enable_lora", bool, "Serve LoRA adapters (docs/lora.md)"),
+    EngineFlag("max_loras", int, "LoRA adapters resident on the device at once (so at most this many per batch)"),
+    EngineFlag("max_cpu_loras", int, "LoRA adapters kept in host memory", "--max-loras"),
+    EngineFlag("max_lora_rank", int, "Highest LoRA rank served: 8, 16, 32, 64, 128, 256, 320 or 512"),
     EngineFlag("profile", str, "GPU profile (vserve profiles list) or auto (detect the GPU): its recommended "
                "settings fill what other flags leave unset", "none"),
 )

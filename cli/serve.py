@@ -40,6 +40,12 @@ def serve(
                                                 "pythonic (Llama 3.2/4)"),
     reasoning_parser: str | None = typer.Option(None, help="deepseek_r1 or qwen3: <think>...</think> goes to the "
                                                 "message's reasoning field"),
+    lora_modules: list[str] | None = typer.Option(None, help="LoRA adapter NAME=PATH served from the start (needs "
+                                                  "--enable-lora); repeat it for more; a request picks one by "
+                                                  "its `model`"),
+    enable_lora_runtime_updating: bool = typer.Option(False, "--enable-lora-runtime-updating",
+                                                      help="Serve POST /v1/load_lora_adapter and "
+                                                      "/v1/unload_lora_adapter (else 404)"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -72,6 +78,8 @@ def serve(
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
                         access_log=not disable_uvicorn_access_log, enable_auto_tool_choice=enable_auto_tool_choice,
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        lora_modules=tuple(lora_modules or ()),
+                        lora_runtime_updating=enable_lora_runtime_updating)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import InprocClient, start_core
 from vserve.core.engine_core import CoreStats, EngineStats
+from vserve.core.lora.adapter import LoRARequest
+from vserve.core.lora.registry import LoRARegistry, set_adapter
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
@@ -155,6 +157,7 @@ class AsyncLLM:
             self.pid = None
             log.info("engine loop on a thread of the server process")
         self.engine = EngineView(processor)
+        self.loras = LoRARegistry.for_config(config, processor.model_config)
         self.output = OutputProcessor(processor.tokenizer)
         self._reader = threading.Thread(target=self._read, name="vserve-engine", daemon=True)
 
@@ -189,7 +192,8 @@ class AsyncLLM:
 
     # ---- requests (on the event loop) ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """With `stream`, yield deltas (each output holds only the text, tokens and logprobs new since the one
         before) until finished; else one cumulative, finished output. Cancelling the iterator aborts the
         request."""
@@ -199,6 +203,7 @@ class AsyncLLM:
             children = await asyncio.to_thread(self.engine.make_requests, request_id, prompt, params, cache_salt)
         else:
             children = self.engine.make_requests(request_id, prompt, params, cache_salt)  # ValueError: bad input
+        set_adapter(children, self.loras.resolve(lora_request))
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only=not stream, children=children)
         with self._lock:
             num_waiting = self.engine.stats().num_waiting + self._num_sent - self.engine.num_taken
@@ -229,6 +234,15 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def add_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Check an adapter folder and serve it under `name` (ValueError when bad: nothing is added)."""
+        lr = self.loras.add(name, path)
+        self.client.send(("load_lora", (lr.lora_int_id, lr.lora_name, lr.lora_path)))
+        return lr
+
+    def remove_lora_adapter(self, name: str) -> None:
+        self.client.send(("remove_lora", self.loras.remove(name).lora_int_id))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # --quantization: the layout the checkpoint holds (fp8 and int8 read compressed-tensors' float/int-quantized)
 QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "compressed-tensors")
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank's choices (vLLM's)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3fn, scale 1
 
 
@@ -50,6 +51,10 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     kv_cache_memory_gib: float | None = None  # CPU KV cache size; None: 1 GiB or a quarter of free RAM
     num_kv_blocks: int | None = None  # force the number of KV blocks (tests, experiments)
+    enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
+    max_loras: int = 1  # adapters resident on the device at once (and so in one batch)
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
+    max_lora_rank: int = 16
     profile: str | None = None  # a GPU profile (`vserve profiles list`) or auto: fills what flags leave unset
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -100,6 +105,15 @@ class EngineConfig:
             raise bad("num_kv_blocks", ">= 1")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise bad("kv_cache_memory_gib", "> 0")
+        if self.max_loras < 1:
+            raise bad("max_loras", ">= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", f">= --max-loras ({self.max_loras})")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise bad("max_lora_rank", f"one of {', '.join(map(str, LORA_RANKS))}")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise bad("pipeline_parallel_size", "1 with --enable-lora (LoRA under pipeline parallelism is not "
+                      "supported yet)")
         if self.profile not in (None, "auto"):
             from vserve.profiles import profile_names  # YAML file names only: cheap, no torch
 

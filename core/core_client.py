@@ -1,6 +1,7 @@
 """One message protocol between a front end and its EngineCore, two transports.
 
-Front end -> core: ("add", [encoded child requests]), ("abort", [child request ids]), ("shutdown", None).
+Front end -> core: ("add", [encoded child requests]), ("abort", [child request ids]), ("load_lora", (lora id,
+name, path)), ("remove_lora", lora id), ("shutdown", None).
 Core -> front end: ("step", [CoreOutput, ...], CoreStats) once per step; ("stats", CoreStats) when adds or aborts
 changed the cache while nothing runs; ("dead", reason) when the core raised.
 
@@ -72,6 +73,10 @@ class CoreLoop:
                 core.abort_requests(arg)
             elif kind == "grammar_info":  # once, before the first structured request
                 core.structured.set_tokenizer_info(arg)
+            elif kind == "load_lora":
+                core.load_lora(*arg)
+            elif kind == "remove_lora":
+                core.remove_lora(arg)
             else:  # shutdown
                 self._stop.set()
         return bool(inbox)

@@ -13,6 +13,8 @@ import torch
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import ProcClient, start_core
 from vserve.core.engine_core import CoreInfo, CoreStats, EngineCore, EngineStats
+from vserve.core.lora.adapter import LoRARequest
+from vserve.core.lora.registry import LoRARegistry, set_adapter
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.request import Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
@@ -35,6 +37,7 @@ class LLMEngine:
         self.max_model_len = self.processor.max_model_len
         self.stop_token_ids = self.processor.stop_token_ids
         self.output = OutputProcessor(self.tokenizer)
+        self.loras = LoRARegistry.for_config(config, self.model_config)
         self.last_stats: CoreStats | None = None
 
     @property
@@ -93,9 +96,24 @@ class LLMEngine:
         self.submit(self.make_requests(request_id, prompt, params, cache_salt))
 
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      cache_salt: str | None = None) -> list[Request]:
-        """Tokenize and validate (ValueError for bad input) without touching engine state."""
-        return self.processor.make_requests(request_id, prompt, params, cache_salt)
+                      cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                      lora_adapter: str | None = None) -> list[Request]:
+        """Tokenize and validate (ValueError for bad input) without touching engine state. The adapter: a
+        LoRARequest or the name of one added with add_lora_adapter (None: the base model)."""
+        lr = self.loras.resolve(lora_request, lora_adapter)
+        return set_adapter(self.processor.make_requests(request_id, prompt, params, cache_salt), lr)
+
+    # ---- LoRA adapters by name (the seeds' API) ------------------------------------------------------------------
+    def add_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        lr = self.loras.add(name, path)
+        self._send(("load_lora", (lr.lora_int_id, lr.lora_name, lr.lora_path)))
+        return lr
+
+    def remove_lora_adapter(self, name: str) -> None:
+        self._send(("remove_lora", self.loras.remove(name).lora_int_id))
+
+    def list_lora_adapters(self) -> list[str]:
+        return list(self.loras.by_name)
 
     def submit(self, children: list[Request]) -> None:
         """Enqueue the children of one request (made by make_requests)."""

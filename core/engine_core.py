@@ -10,6 +10,7 @@ from a core in this process or in an engine process of its own.
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.kv_cache import KVCacheManager
 from vserve.core.layers.rotary import longrope_offset
 from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
+from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
@@ -30,6 +32,8 @@ from vserve.core.scheduler import Scheduler
 from vserve.core.structured_output import StructuredOutputManager
 from vserve.core.worker import start_tensor_parallel
 from vserve.ops import startup
+
+log = logging.getLogger("vserve.engine")
 
 
 @dataclass
@@ -42,6 +46,8 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running / waiting requests (LoRA on)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -83,14 +89,15 @@ class CoreInfo:
 
 def encode_request(req: Request) -> tuple:
     return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
-            req.eos_token_id, req.arrival_time, req.cache_salt, req.structured)
+            req.eos_token_id, req.arrival_time, req.cache_salt, req.structured, req.lora_id, req.lora_name,
+            req.lora_path)
 
 
 def decode_request(t: tuple) -> Request:
-    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, structured = t
+    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, structured, lora_id, lora_name, lora_path = t
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
                    parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt,
-                   structured=structured)
+                   structured=structured, lora_id=lora_id, lora_name=lora_name, lora_path=lora_path)
 
 
 class EngineCore:
@@ -147,7 +154,8 @@ class EngineCore:
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
             num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None,
-            sliding_window=mc.kv_window(), **measured)
+            sliding_window=mc.kv_window(), max_loras=c.max_loras if c.enable_lora else 0,
+            max_lora_rank=c.max_lora_rank, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:
@@ -160,10 +168,16 @@ class EngineCore:
                                  longrope_original=longrope[0] if longrope else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
+        lora = attach_lora(self.model, config, self.dtype, self.device)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype)
+                                  enforce_eager=config.enforce_eager or multi, kv_cache_dtype=config.kv_cache_dtype,
+                                  lora=lora)
+        if lora is not None:
+            from vserve.core.lora.manager import LoRASlots
+
+            self.scheduler.lora = self.runner.lora_slots = LoRASlots(config.max_loras)
         self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: tuple[list[Request], SampledTokens | None] | None = None  # launched, not yet processed
@@ -185,6 +199,10 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_id:
+            if self.scheduler.lora is None:
+                raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
+            self.scheduler.lora.register(req.lora_id, req.lora_name, req.lora_path)
         if req.sampling_params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
         if req.structured is not None:
@@ -201,6 +219,23 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None and not req.status.finished:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read an adapter added by name into the CPU cache now, so its first request's step does not wait for the
+        disk (the front end checked the folder; a failure here is logged and left to that first step)."""
+        if self.scheduler.lora is None:
+            return
+        self.scheduler.lora.register(lora_id, name, path)
+        try:
+            self.runner.lora.adapter(lora_id, path)
+        except Exception as e:  # a folder changed since the front end checked it
+            log.warning("could not preload LoRA adapter %r from %s: %r", name, path, e)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter its front end removed: its slot frees once no running request uses it."""
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.forget(lora_id)
+            self.runner.lora.forget(lora_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -340,7 +375,13 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=self.kv.num_free_blocks(),
             num_blocks=self.kv.pool.num_blocks,
+            **(self._lora_adapters() if self.scheduler.lora is not None else {}),
         )
+
+    def _lora_adapters(self) -> dict:
+        s = self.scheduler
+        return {"running_lora_adapters": tuple(sorted({r.lora_name for r in s.running if r.lora_id})),
+                "waiting_lora_adapters": tuple(sorted({r.lora_name for r in s.waiting if r.lora_id}))}
 
     def core_stats(self, seconds: float) -> CoreStats:
         return CoreStats(self.stats(), self.num_generated_tokens, self.num_computed_prompt_tokens,

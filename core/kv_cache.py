@@ -180,6 +180,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             # The salt keys the first block; the chain carries it to every later one.
             extra = (req.cache_salt,) if i == 0 and req.cache_salt is not None else ()
+            if i == 0 and req.lora_id:  # two adapters never share KV (nor an adapter and the base model)
+                extra += (f"lora:{req.lora_id}",)
             if i == 0 and self.longrope_original is not None and req.num_prompt_tokens > self.longrope_original:
                 extra += ("longrope-long",)
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))

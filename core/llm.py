@@ -10,6 +10,7 @@ from rich.progress import TextColumn
 
 from vserve.core.config import EngineConfig
 from vserve.core.engine import LLMEngine
+from vserve.core.lora.adapter import LoRARequest
 from vserve.core.request import RequestOutput
 from vserve.core.sampling_params import SamplingParams
 from vserve.ops import startup
@@ -34,8 +35,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a str, a list of token ids, a prompt dict, or a list of them."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 lora_adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Prompts: a str, a list of token ids, a prompt dict, or a list of them. lora_request (vLLM's) or
+        lora_adapter (the name given to add_lora_adapter): one adapter for every prompt or a list, one per prompt
+        (None: the base model); needs enable_lora=True."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -46,11 +50,13 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
+        loras, names = _per_prompt(lora_request, len(prompts), "lora_request"), \
+            _per_prompt(lora_adapter, len(prompts), "lora_adapter")
         # Validate and tokenize every prompt before enqueueing any, so a bad one leaves nothing half-done.
         batch = []
-        for p, sp in zip(prompts, sampling_params):
+        for p, sp, lr, name in zip(prompts, sampling_params, loras, names):
             prompt, salt = _unpack(p)
-            batch.append(engine.make_requests(str(next(self._ids)), prompt, sp, salt))
+            batch.append(engine.make_requests(str(next(self._ids)), prompt, sp, salt, lr, name))
         order = []
         try:
             for children in batch:
@@ -62,14 +68,28 @@ class LLM:
                 engine.abort_request(rid)
             raise
 
+    # ---- LoRA adapters by name (the seeds' API; vLLM's is lora_request=LoRARequest(...)) --------------------------
+    def add_lora_adapter(self, name: str, path: str) -> None:
+        """Check a PEFT adapter folder and name it for generate(..., lora_adapter=name); it loads into the engine
+        when a request first uses it. ValueError for a bad folder, a rank above --max-lora-rank, a name in use."""
+        self.llm_engine.add_lora_adapter(name, path)
+
+    def remove_lora_adapter(self, name: str) -> None:
+        self.llm_engine.remove_lora_adapter(name)
+
+    def list_lora_adapters(self) -> list[str]:
+        return self.llm_engine.list_lora_adapters()
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation or a list of them, through the model's chat template (or `chat_template`)."""
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             lora_adapter: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """One conversation or a list of them, through the model's chat template (or `chat_template`); the
+        adapters as for generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request, lora_adapter=lora_adapter)
 
     def apply_chat_template(self, conversation: list[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
@@ -96,6 +116,15 @@ class LLM:
                 tps = (engine.num_generated_tokens - n0) / max(time.perf_counter() - start, 1e-9)
                 progress.update(task, tps=f"{tps:,.0f}")
         return [done[rid] for rid in order]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list | tuple):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} {name} entries for {n} prompts")
+    return list(value)
 
 
 def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:

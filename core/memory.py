@@ -195,6 +195,7 @@ class MemoryPlan:
     cuda_graph_bytes: int
     runtime_bytes: int  # outside torch's allocator
     other_processes_bytes: int
+    lora_bytes: int  # --max-loras adapter slots of --max-lora-rank on every adapted projection (0: LoRA off)
     in_use_bytes: int | None  # measured by the engine (weights, context, other processes); None: predicted
     budget_bytes: int  # GPU: total x utilization; CPU / fixed: the KV cache budget
     kv_bytes_per_token: int
@@ -211,12 +212,14 @@ class MemoryPlan:
     @property
     def non_kv_bytes(self) -> int:
         """What the GPU needs before any KV cache: weights, activations, CUDA graphs, runtime."""
-        return self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.runtime_bytes
+        return (self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.runtime_bytes
+                + self.lora_bytes)
 
     @property
     def torch_peak_bytes(self) -> int:
         """What torch.cuda.max_memory_allocated should read after a full-batch run (runtime excluded)."""
-        return self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.kv_cache_bytes
+        return (self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.kv_cache_bytes
+                + self.lora_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -246,7 +249,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
                 max_num_seqs: int = 256, cuda_graphs: bool = True, kv_dtype_bytes: int | None = None,
                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                 other_processes_bytes: int = 0, in_use_bytes: int | None = None,
-                peak_activation_bytes: int | None = None, sliding_window: int | None = None) -> MemoryPlan:
+                peak_activation_bytes: int | None = None, sliding_window: int | None = None,
+                max_loras: int = 0, max_lora_rank: int = 16) -> MemoryPlan:
     """Plan one rank's memory.
 
     gpu_memory_bytes None plans the CPU path: the KV cache gets kv_cache_bytes (default: default_cpu_kv_budget()).
@@ -257,7 +261,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     CUDA context, other processes) replaces the predicted weights + runtime + other processes, and
     peak_activation_bytes the predicted activation peak. sliding_window (ModelConfig.kv_window(), for an engine
     whose KV manager releases the blocks behind it): a sequence holds at most its window's blocks plus a step's
-    tokens (kv_blocks_per_seq), however long it grows.
+    tokens (kv_blocks_per_seq), however long it grows. max_loras (0: LoRA off) adapter slots of max_lora_rank
+    are held on every adapted projection (lora_slot_bytes).
     """
     tp = tensor_parallel_size
     check_tensor_parallel(model, tp)
@@ -279,7 +284,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     graphs = GRAPH_POOL_RESERVE if on_gpu and cuda_graphs else 0
     runtime = RUNTIME_OVERHEAD_BYTES + (NCCL_OVERHEAD_BYTES if tp > 1 else 0) if on_gpu else 0
     in_use = in_use_bytes if in_use_bytes is not None else weights + runtime + other_processes_bytes
-    reserved = in_use + activations + graphs  # what the GPU holds besides the KV cache
+    lora = lora_slot_bytes(model, max_loras, max_lora_rank, dtype_bytes, tp)
+    reserved = in_use + activations + graphs + lora  # what the GPU holds besides the KV cache
 
     fixed = kv_cache_bytes if kv_cache_bytes is not None else (None if on_gpu else default_cpu_kv_budget())
     budget = int(gpu_memory_bytes * gpu_memory_utilization) if on_gpu else fixed
@@ -300,6 +306,7 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         verdict = "oom"
         reason = (f"{'the model needs' if sized else 'the model and its KV cache need'} {fmt_bytes(need)} per GPU "
                   f"({parts}, activations {fmt_bytes(activations)}, CUDA graphs {fmt_bytes(graphs)}"
+                  f"{f', LoRA slots {fmt_bytes(lora)}' if lora else ''}"
                   f"{f', other processes {fmt_bytes(other_processes_bytes)}' if other_processes_bytes else ''}) "
                   f"but {fmt_bytes(room)} is available"
                   f"{f' ({gpu_memory_utilization} x {fmt_bytes(gpu_memory_bytes)})' if sized else ''}")
@@ -317,7 +324,7 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         quantization=spec.name if spec else None, dtype_bytes=dtype_bytes, block_size=block_size,
         max_model_len=max_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         weights_bytes=weights, activation_bytes=activations, cuda_graph_bytes=graphs, runtime_bytes=runtime,
-        other_processes_bytes=other_processes_bytes, in_use_bytes=in_use_bytes, budget_bytes=budget,
+        other_processes_bytes=other_processes_bytes, lora_bytes=lora, in_use_bytes=in_use_bytes, budget_bytes=budget,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks, kv_cache_bytes=kv_cache,
         max_model_len_fit=(min(num_blocks * block_size, context_limit(model)) if sliding_window is None else
                            context_limit(model) if num_blocks >= seq_blocks else 0),
@@ -326,6 +333,22 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
 
 
 # ---- helpers plan_memory is built on -------------------------------------------------------------------------
+
+
+def lora_slot_bytes(m: ModelConfig, max_loras: int, max_lora_rank: int, dtype_bytes: int, tp: int = 1) -> int:
+    """One rank's LoRA slots (core/lora/layers.py): per slot and layer, A [slices x R, in] and B [out, R] of qkv,
+    o, gate_up and down (R: the rank, at least 16), sharded as their base layers (column-parallel: B's rows;
+    row-parallel: A's input columns)."""
+    if not max_loras:
+        return 0
+    R, H, L = max(16, max_lora_rank), m.hidden_size, m.num_hidden_layers
+    q = m.num_attention_heads // tp * m.head_dim
+    kv = kv_heads_per_rank(m, tp) * m.head_dim
+    per_layer = (3 * R * H + (q + 2 * kv) * R) + (R * q + H * R)  # qkv, o
+    if moe_shape(m) is None and _gated(m):
+        i = _cdiv(m.intermediate_size, tp)
+        per_layer += (2 * R * H + 2 * i * R) + (R * i + H * R)  # gate_up, down
+    return max_loras * L * per_layer * dtype_bytes
 
 
 def kv_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int | None = None,

@@ -45,6 +45,9 @@ class StepInputs:
     # where it sits in that step's sampled tokens (filled in on the device, see run_step).
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+    # LoRA: each token's adapter slot (-1: none; None: no row has one) and adapters to load into slots first
+    lora_slots: torch.Tensor | None = None
+    lora_loads: list | None = None
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -62,8 +65,11 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, enforce_eager: bool = True, kv_cache_dtype: str = "auto") -> None:
+                 max_model_len: int = 4096, enforce_eager: bool = True, kv_cache_dtype: str = "auto",
+                 lora=None) -> None:
         self.model = model
+        self.lora = lora  # the model's LoRAModel (core/lora/layers.py) when LoRA is on
+        self.lora_slots = None  # rank 0's LoRASlots (core/lora/manager.py), set by the engine
         self.cfg = model_config
         self.block_size = block_size
         self.device = device
@@ -104,20 +110,27 @@ class ModelRunner:
         self.g_ctx = torch.zeros(n, dtype=torch.long, device=dev)
         self.g_bt = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.long, device=dev)
         self.g_out = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.g_lora = torch.full((n,), -1, dtype=torch.long, device=dev)  # LoRA slots: a graph input like the rest
         pool = None
         for b in sorted(sizes, reverse=True):
             md = AttentionMetadata(self.g_slots[:b], self.g_bt[:b], self.g_ctx[:b], b,
                                    torch.zeros(1, dtype=torch.long, device=dev))
+            if self.lora is not None:  # with LoRA on, every graph runs the LoRA kernels (slot -1 rows: no work)
+                self.lora.set_batch(self.g_lora[:b])
             self.g_out[:b] = self.model(self.g_ids[:b], self.g_pos[:b], md)  # warm up (compiles kernels)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                if self.lora is not None:  # the rows' grouping by slot is computed inside the graph
+                    self.lora.set_batch(self.g_lora[:b])
                 self.g_out[:b] = self.model(self.g_ids[:b], self.g_pos[:b], md)
             pool = graph.pool() if pool is None else pool
             self.graphs[b] = graph
         torch.cuda.synchronize()
         self.graph_sizes = sorted(self.graphs)
+        if self.lora is not None:
+            self.lora.set_batch(None)
 
-    def _run_graph(self, ids, pos, md: AttentionMetadata) -> torch.Tensor | None:
+    def _run_graph(self, ids, pos, md: AttentionMetadata, lora_slots=None) -> torch.Tensor | None:
         T = ids.shape[0]
         if not self.graphs or md.num_decodes != T or T > self.graph_sizes[-1]:
             return None
@@ -129,6 +142,12 @@ class ModelRunner:
         self.g_ctx[:T].copy_(md.context_lens)
         self.g_ctx[T:b].fill_(0)
         self.g_bt[:T, :md.block_tables.shape[1]].copy_(md.block_tables)
+        if self.lora is not None:
+            if lora_slots is None:
+                self.g_lora[:b].fill_(-1)
+            else:
+                self.g_lora[:T].copy_(lora_slots)
+                self.g_lora[T:b].fill_(-1)
         self.graphs[b].replay()
         return self.g_out[:T]
 
@@ -183,6 +202,11 @@ class ModelRunner:
         t = torch.from_numpy
         step = StepInputs(t(input_ids), t(pos), t(slots), t(table), t(context_lens), num_decodes, t(cu_seqlens),
                           t(np.ascontiguousarray(sample_rows, dtype=np.int64)))
+        if self.lora_slots is not None:  # LoRA: each row's adapter slot (per request, then per token)
+            row_slots = self.lora_slots.row_slots(reqs)
+            step.lora_loads = self.lora_slots.take_loads()
+            if (row_slots >= 0).any():
+                step.lora_slots = t(np.ascontiguousarray(row_slots[seq_of_token]))
         if pending:  # rows are decodes, so a row index is also its token index
             assert all(nums[i] == 1 for i in pending), "only a decode's input token can be in flight"
             step.pending_rows = torch.tensor(pending, dtype=torch.long)
@@ -196,6 +220,8 @@ class ModelRunner:
                  s.sample_rows]
         if s.pending_rows is not None:
             parts += [s.pending_rows, s.pending_src]
+        if s.lora_slots is not None:
+            parts.append(s.lora_slots)
         if not self.pin:
             moved = [x.to(self.device) for x in parts]
         else:
@@ -220,6 +246,10 @@ class ModelRunner:
         ids, pos, slots, bt, ctx, cu, rows = moved[:7]
         if s.pending_rows is not None:
             ids[moved[7]] = self.last_tokens[moved[8]]
+        if self.lora is not None:
+            if s.lora_loads:
+                self.lora.apply_loads(s.lora_loads)
+            self.lora.set_batch(moved[-1] if s.lora_slots is not None else None)
         md = AttentionMetadata(slots, bt, ctx, s.num_decodes, cu)
         return ids, pos, md, rows
 
@@ -229,7 +259,8 @@ class ModelRunner:
         if get_pp_size() > 1:
             return self._run_pipeline(step)
         ids, pos, md, rows = self.to_device(step)
-        hidden = self._run_graph(ids, pos, md)
+        lora = self.lora.mapping.slots if self.lora is not None and self.lora.mapping is not None else None
+        hidden = self._run_graph(ids, pos, md, lora)
         if hidden is None:
             hidden = self.model(ids, pos, md)
         if step.sample_rows.numel() == 0:

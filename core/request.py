@@ -51,6 +51,9 @@ class Request:
     cache_salt: str | None = None  # requests share cached prefix blocks only with requests of the same salt
     structured: GrammarSpec | None = None  # a structured output's compiled grammar (core/structured_output.py)
     grammar: GrammarState | None = None  # its matcher, in the engine core
+    lora_id: int = 0  # its LoRA adapter's id (0: none); the adapter's name and folder come with it
+    lora_name: str | None = None
+    lora_path: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None

@@ -34,6 +34,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.lora = None  # the engine's LoRASlots when LoRA is on: a request runs only with its adapter in a slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -78,6 +79,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token in flight: admit it once that token is appended
                 break
+            if self.lora is not None and not self.lora.can_admit(req):  # every slot busy: wait (and those behind)
+                break
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -89,6 +92,8 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
+            if self.lora is not None:
+                self.lora.acquire(req)
             req.num_computed_tokens += num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
@@ -108,6 +113,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free the victim's blocks and queue it first; it recomputes prompt + output so far later."""
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -129,3 +136,5 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req)

@@ -17,6 +17,7 @@ import torch
 from vserve.core import distributed
 from vserve.core.config import EngineConfig
 from vserve.core.loader import load_model, needs_activation_profile, pick_device
+from vserve.core.lora import attach_lora
 
 
 def backend_for(device: torch.device) -> str:
@@ -50,7 +51,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: s
             return
         runner = ModelRunner(model, mc, config.block_size, info["num_blocks"], dtype, device, config.seed,
                              max_num_seqs=config.max_num_seqs, max_model_len=info["max_model_len"],
-                             kv_cache_dtype=config.kv_cache_dtype)
+                             kv_cache_dtype=config.kv_cache_dtype, lora=attach_lora(model, config, dtype, device))
         while (step := distributed.broadcast_object()) is not None:
             runner.run_step(step)
     finally:

@@ -387,6 +387,43 @@ def check_fp8_mm(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
     return rows
 
 
+def check_lora(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
+    """LoRA shrink + expand (triton_lora) against the float32 reference on the same low-dtype inputs, on the
+    model's four adapted projections (qkv and gate_up packed: their slices in one launch): 8 slots, ranks 16 and 64,
+    a decode-sized and a prefill-sized batch with rows spread unevenly over the slots and a quarter without adapter
+    (those must stay bit-identical)."""
+    from vserve.kernels import lora_ref, triton_lora
+
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    projs = {"qkv": (m.hidden, (q, kv, kv)), "o": (q, (m.hidden,)), "gate_up": (m.hidden, (m.intermediate,) * 2),
+             "down": (m.intermediate, (m.hidden,))}
+    S, atol_rtol, rows = 8, TOL.get(dtype, (1e-4, 1e-4)), []
+    for R in (16, 64):
+        for T in ((5, 37) if tiny else (64, 2048)):
+            slots = torch.randint(0, S, (T,), device=dev) ** 2 // S  # uneven: low slots get more rows
+            slots[torch.rand(T, device=dev) < 0.25] = -1
+            m_ = lora_ref.lora_mapping(slots, S)
+            for proj, (K, widths) in projs.items():
+                bounds = tuple(sum(widths[:j]) for j in range(len(widths) + 1))
+                x = torch.randn(T, K, device=dev, dtype=dtype)
+                a = (torch.randn(S, len(widths) * R, K, device=dev) / K**0.5).to(dtype)
+                b = (torch.randn(S, bounds[-1], R, device=dev) * 0.1).to(dtype)
+                base = torch.randn(T, bounds[-1], device=dev, dtype=dtype)
+                out = base.clone()
+                triton_lora.lora_expand(triton_lora.lora_shrink(x, a, m_), b, out, m_, bounds)
+                ref = base.float()
+                lora_ref.lora_expand_ref(lora_ref.lora_shrink_ref(x.float(), a.float(), m_), b.float(), ref, m_,
+                                         bounds)
+                low = base.clone()
+                lora_ref.lora_expand_ref(lora_ref.lora_shrink_ref(x, a, m_), b, low, m_, bounds)
+                keep = slots < 0
+                ok = torch.allclose(out.float(), ref, *atol_rtol[::-1]) and torch.equal(out[keep], base[keep])
+                rows.append(CheckRow("lora_shrink+expand", f"{name} {proj} T={T} R={R} slots={S}",
+                                     str(dtype).removeprefix("torch."), _err(out, ref), ok,
+                                     f"{atol_rtol[0]:.0e}+{atol_rtol[1]:.0e}·|ref|", _err(low, ref)))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- timing
 
 
@@ -497,6 +534,41 @@ def bench_decode(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
             elif varlen is not None:
                 rows.append(BenchRow("decode", case, "varlen_attn paged", None, None, "GB/s",
                                      "this torch's varlen_attn takes no block_table"))
+    return rows
+
+
+def bench_lora(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[BenchRow]:
+    """LoRA shrink + expand (8 slots, rank 16, rows round-robin over the slots) against the projection's own GEMM
+    (F.linear) at decode and prefill row counts: the LoRA path's cost per projection (issue #28 wants a step with 8
+    adapters at >= 0.8x the base model's throughput). TFLOP/s of each one's own multiply-adds."""
+    from torch.nn import functional as F
+
+    from vserve.kernels import lora_ref, triton_lora
+
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    projs = {"qkv": (m.hidden, (q, kv, kv)), "o": (q, (m.hidden,)), "gate_up": (m.hidden, (m.intermediate,) * 2),
+             "down": (m.intermediate, (m.hidden,))}
+    S, R, rows = 8, 16, []
+    for T in ((3,) if tiny else (1, 64, 256, 2048)):
+        slots = torch.arange(T, device=dev) % S
+        mapping = lora_ref.lora_mapping(slots, S)
+        for proj, (K, widths) in projs.items():
+            N = sum(widths)
+            bounds = tuple(sum(widths[:j]) for j in range(len(widths) + 1))
+            x = torch.randn(T, K, device=dev, dtype=dtype)
+            w = torch.randn(N, K, device=dev, dtype=dtype) * 0.02
+            a = torch.randn(S, len(widths) * R, K, device=dev, dtype=dtype) * 0.02
+            b = torch.randn(S, N, R, device=dev, dtype=dtype) * 0.02
+            out = torch.zeros(T, N, device=dev, dtype=dtype)
+            case = f"{name} {proj} {K}x{N} T={T}"
+            _timed(rows, "lora", case, "base GEMM (F.linear)", partial(F.linear, x, w), 2 * T * K * N, "TFLOP/s",
+                   dev)
+
+            def lora(x=x, a=a, b=b, out=out, bounds=bounds, mapping=mapping):
+                triton_lora.lora_expand(triton_lora.lora_shrink(x, a, mapping), b, out, mapping, bounds)
+
+            _timed(rows, "lora", case, f"shrink+expand R={R} slots={S}", lora,
+                   2 * T * (K * len(widths) * R + N * R), "TFLOP/s", dev)
     return rows
 
 
@@ -634,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[CheckRow] = []
     for name in names:
         for dtype in dtypes:
-            for fn in (check_attention, check_ops, check_sampling, check_fp8_mm):
+            for fn in (check_attention, check_ops, check_sampling, check_fp8_mm, check_lora):
                 try:
                     checks += fn(name, table[name], dtype, dev, args.tiny)
                 except Exception as e:
@@ -657,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
               + format_table(BENCH_HEADER, [r.cells(b) for r, b in rows]) + "\n")
         rows = [r for name in names for r in bench_sampling(name, table[name], dev, args.tiny, args.sweep)]
         flush("## Sampling (float32 logits; GB/s of logits read once)\n\n"
+              + format_table(BENCH_HEADER, [r.cells() for r in rows]) + "\n")
+        rows = [r for name in names for r in bench_lora(name, table[name], dtype, dev, args.tiny)]
+        flush(f"## LoRA ({dtype}; shrink + expand against the projection's GEMM, TFLOP/s of each one's own work)\n\n"
               + format_table(BENCH_HEADER, [r.cells() for r in rows]) + "\n")
     return 1 if failed else 0
 

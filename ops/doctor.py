@@ -482,12 +482,13 @@ def run_doctor(env: Environment, model: str | None = None, profile: str | None =
                max_model_len: int | None = None, quantization: str | None = None,
                gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None,
                kv_cache_dtype: str = "auto", revision: str | None = None,
-               download_dir: str | None = None) -> Report:
+               download_dir: str | None = None, max_loras: int = 0, max_lora_rank: int = 16) -> Report:
     tp = tensor_parallel_size
     planning_for = profile if profile not in (None, "auto") else None
     plan_check, report = check_plan(env, model, profile, tp, max_model_len, {
         "quantization": quantization, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-        "kv_dtype_bytes": 1 if kv_cache_dtype.startswith("fp8") else None}, revision, download_dir)
+        "kv_dtype_bytes": 1 if kv_cache_dtype.startswith("fp8") else None, "max_loras": max_loras or None,
+        "max_lora_rank": max_lora_rank}, revision, download_dir)
     utilization = gpu_memory_utilization or (report.plan.gpu_memory_utilization if report.plan else 0.9)
     report.checks = [check_gpu(env, planning_for), check_torch(env), check_cuda_driver(env), check_versions(env),
                      check_nccl(env, tp), check_nccl_env(env, tp), check_topology(env, tp), check_triton(env),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,7 +23,9 @@ from vserve.core.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     now,
 )
 
@@ -57,6 +59,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parsed with tool_call_parser (core/tool_parsers.py)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # core/reasoning_parsers.py
+    max_loras: int | None = None  # --max-loras when LoRA is on (metrics' lora_requests_info)
+    lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
 
 
 class BodyLimitMiddleware:
@@ -90,7 +94,7 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
               embedder=None) -> FastAPI:
     """`engine` (an AsyncLLM) serves generation; `embedder` (an EmbeddingEngine) serves
     /v1/embeddings."""
-    metrics = metrics or EngineMetrics(settings.served_model_name)
+    metrics = metrics or EngineMetrics(settings.served_model_name, settings.max_loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -150,10 +154,16 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.served_model_name and name not in settings.served_model_aliases:
+    def check_model(name: str | None):
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        if name is None or name == settings.served_model_name or name in settings.served_model_aliases:
+            return None
+        lora = engine.loras.by_name.get(name) if engine is not None else None
+        if lora is None:
+            adapters = "".join(f", `{a}`" for a in engine.loras.by_name) if engine is not None else ""
             raise APIError(404, f"the model `{name}` does not exist; this server serves "
-                                f"`{settings.served_model_name}`", "model")
+                                f"`{settings.served_model_name}`{adapters}", "model")
+        return lora
 
     def need_engine():
         if engine is None:
@@ -181,19 +191,23 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
     @app.get("/v1/models", dependencies=guarded)
     async def models():
         max_len = engine.engine.max_model_len if engine is not None else embedder.max_model_len
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": now(), "owned_by": "vserve",
-                                            "max_model_len": max_len}
-                                           for name in (settings.served_model_name, *settings.served_model_aliases)]}
+        data = [{"id": name, "object": "model", "created": now(), "owned_by": "vserve", "root": None, "parent": None,
+                 "max_model_len": max_len} for name in (settings.served_model_name, *settings.served_model_aliases)]
+        if engine is not None:  # LoRA adapters, with the base model as parent (vLLM's model cards)
+            data += [{"id": name, "object": "model", "created": now(), "owned_by": "vserve", "root": lr.lora_path,
+                      "parent": settings.served_model_name, "max_model_len": max_len}
+                     for name, lr in engine.loras.by_name.items()]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
-        return await serving.create_completion(need_engine(), body, raw, settings)
+        lora = check_model(body.model)
+        return await serving.create_completion(need_engine(), body, raw, settings, lora)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
-        return await serving.create_chat_completion(need_engine(), body, raw, settings)
+        lora = check_model(body.model)
+        return await serving.create_chat_completion(need_engine(), body, raw, settings, lora)
 
     @app.post("/v1/embeddings", dependencies=guarded)
     async def embeddings(body: EmbeddingRequest):
@@ -201,6 +215,21 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         if embedder is None:
             raise APIError(400, f"`{settings.served_model_name}` is not an embedding model")
         return await serving.create_embedding(embedder, body, settings)
+
+    if engine is not None and settings.lora_runtime_updating:  # else these routes do not exist: 404
+        @app.post("/v1/load_lora_adapter", dependencies=guarded)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            if body.lora_name in (settings.served_model_name, *settings.served_model_aliases):
+                raise APIError(400, f"`{body.lora_name}` is the base model's name", "lora_name")
+            engine.add_lora_adapter(body.lora_name, body.lora_path)  # ValueError (400) when bad: nothing added
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", dependencies=guarded)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            if body.lora_name not in engine.loras.by_name:
+                raise APIError(404, f"the LoRA adapter `{body.lora_name}` cannot be found", "lora_name")
+            engine.remove_lora_adapter(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest):

@@ -30,6 +30,8 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    lora_modules: tuple[str, ...] = ()  # name=path: LoRA adapters served from the start, selected by `model`
+    lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -45,6 +47,9 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     from vserve.core.hub import resolve_model_files
 
     names = served_model_names(config.model, opts.served_model_name)
+    modules = parse_lora_modules(opts.lora_modules, names)
+    if (modules or opts.lora_runtime_updating) and not config.enable_lora:
+        raise ValueError(f"{'--lora-modules' if modules else '--enable-lora-runtime-updating'} needs --enable-lora")
     with startup.phase("resolve model"):
         config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
@@ -54,15 +59,36 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
         embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
     else:
         engine = _build_engine(config, opts)
+        try:
+            for name, path in modules:
+                engine.add_lora_adapter(name, path)
+        except BaseException:
+            engine.shutdown(0.0)
+            raise
     settings = ServerSettings(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                               api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s,
                               enable_auto_tool_choice=opts.enable_auto_tool_choice,
-                              tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser)
+                              tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser,
+                              max_loras=config.max_loras if config.enable_lora else None,
+                              lora_runtime_updating=opts.lora_runtime_updating)
     app = build_app(engine, settings, embedder=embedder)
     if engine is not None:
         metrics = app.state.metrics
         engine.on_step, engine.on_finish = metrics.on_step, metrics.on_finish
     return app, engine
+
+
+def parse_lora_modules(given: tuple[str, ...], base_names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """--lora-modules' name=path pairs (ValueError naming a malformed or repeated one)."""
+    pairs: list[tuple[str, str]] = []
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
+        if name in base_names or any(name == n for n, _ in pairs):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice (or is the base model's)")
+        pairs.append((name, path))
+    return pairs
 
 
 def served_model_names(model: str | None, given: tuple[str, ...]) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
         self.model_name = model_name
@@ -50,6 +50,11 @@ class EngineMetrics:
         self.grammar_compile_time = h("structured_output_compile_seconds",
                                       "Grammar compile time (cache misses; xgrammar).")
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "gen": 0, "structured": 0}
+        self.max_loras = max_loras
+        self.lora_info = None if max_loras is None else Gauge(
+            "vserve:lora_requests_info", "Running and waiting LoRA adapters (comma-separated); the value is when "
+            "this was last set.", ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_seen: tuple | None = None
         self._log_mark = (time.monotonic(), 0, 0)
 
     def on_step(self, engine, step_tokens: int, _seconds: float) -> None:
@@ -57,6 +62,7 @@ class EngineMetrics:
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        self._set_lora(s)
         self._inc("queries", self.prefix_cache_queries, s.prefix_cache_queries)
         self._inc("hits", self.prefix_cache_hits, s.prefix_cache_hits)
         self._inc("preemptions", self.num_preemptions, s.num_preemptions)
@@ -71,6 +77,15 @@ class EngineMetrics:
         self._inc("structured", self.structured_output_requests, grammars.num_requests)
         while grammars.compile_seconds:  # a deque the compiling threads append to
             self.grammar_compile_time.observe(grammars.compile_seconds.popleft())
+
+    def _set_lora(self, s) -> None:
+        """vLLM's lora_requests_info: one sample whose labels name the adapters running and waiting."""
+        now = (s.running_lora_adapters, s.waiting_lora_adapters)
+        if self.lora_info is None or now == self._lora_seen:
+            return
+        self._lora_seen = now
+        self.lora_info.clear()  # only the current adapters' sample
+        self.lora_info.labels(str(self.max_loras), ",".join(now[0]), ",".join(now[1])).set_to_current_time()
 
     def _inc(self, key: str, counter, total: int) -> None:
         if total > self._seen[key]:
@@ -108,3 +123,4 @@ class EngineMetrics:
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
         self._grammars(engine)
+        self._set_lora(s)

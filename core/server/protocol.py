@@ -373,6 +373,15 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 

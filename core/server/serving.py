@@ -112,7 +112,7 @@ def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Request, settings):
+async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Request, settings, lora=None):
     if body.suffix is not None:
         raise ValueError("suffix is not supported")
     best_of = body.best_of or body.n
@@ -124,10 +124,11 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
     want_lp = body.logprobs is not None or best_of > body.n
     sp = body.sampling_params(body.max_tokens, (body.logprobs or 0) if want_lp else None, n=best_of)
     base_id = random_id("cmpl")
-    created, model = now(), settings.served_model_name
+    created, model = now(), settings.served_model_name if lora is None else lora.lora_name
     gens = []
     for i, p in enumerate(prompts):
-        gens.append(engine.generate(f"{base_id}-{i}", p, sp, stream=body.stream, cache_salt=body.cache_salt))
+        gens.append(engine.generate(f"{base_id}-{i}", p, sp, stream=body.stream, cache_salt=body.cache_salt,
+                                    lora_request=lora))
     tokenizer = engine.engine.tokenizer
 
     if body.stream:
@@ -263,7 +264,8 @@ def _chat_logprobs(tokenizer, token_ids: list[int], entries, n_top: int) -> dict
     return {"content": content}
 
 
-async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request, settings):
+async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request, settings,
+                                 lora=None):
     eng = engine.engine
     if body.top_logprobs is not None and not body.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
@@ -279,8 +281,8 @@ async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, 
     tokenizer = eng.tokenizer
     parsers = [ChatOutputParser.for_request(body, settings, tokenizer) for _ in range(body.n)]
     rid = random_id("chatcmpl")
-    created, model = now(), settings.served_model_name
-    gen = engine.generate(rid, prompt_ids, sp, stream=body.stream, cache_salt=body.cache_salt)
+    created, model = now(), settings.served_model_name if lora is None else lora.lora_name
+    gen = engine.generate(rid, prompt_ids, sp, stream=body.stream, cache_salt=body.cache_salt, lora_request=lora)
     if body.stream:
         return StreamingResponse(_stream_chat(body, gen, rid, created, model, tokenizer, n_top, parsers),
                                  media_type="text/event-stream")

@@ -1,0 +1,59 @@
+"""Batched multi-LoRA references (the CPU path): shrink (x·Aᵀ) and expand (·Bᵀ added into the base output) over
+rows that each name their adapter's slot (-1: no adapter, left untouched).
+
+Adapters are stacked by slot: `lora_a` [slots, L*R, K] holds a packed layer's L slices' A matrices one under the
+other (R rows each, zero-padded past an adapter's rank), `lora_b` [slots, N, R] the B matrices (already multiplied by
+the adapter's scaling) stacked along the output features, slice j covering output columns bounds[j]:bounds[j+1].
+The Triton kernels (triton_lora.py) take the same arguments."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LoRAMapping(NamedTuple):
+    """A step's rows grouped by adapter slot, built once per step on the device (no host sync, graph-capturable):
+    token_order lists the rows sorted by slot (rows without adapter first), slot_counts[s + 1] / slot_starts[s + 1]
+    how many of them slot s has and where they begin in token_order (index 0: rows without adapter)."""
+
+    slots: torch.Tensor  # [T] int64, -1: no adapter
+    token_order: torch.Tensor  # [T]
+    slot_counts: torch.Tensor  # [num_slots + 1]
+    slot_starts: torch.Tensor  # [num_slots + 1]
+
+
+def lora_mapping(slots: torch.Tensor, num_slots: int) -> LoRAMapping:
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
+    counts.scatter_add_(0, slots + 1, torch.ones_like(slots))  # not bincount: its output size syncs with the host
+    order = torch.argsort(slots, stable=True)
+    return LoRAMapping(slots, order, counts, torch.cumsum(counts, 0) - counts)
+
+
+def _groups(m: LoRAMapping):
+    """(slot, its rows) for each slot with rows; host-side (the reference only)."""
+    counts, starts = m.slot_counts.tolist(), m.slot_starts.tolist()
+    for s in range(len(counts) - 1):
+        if counts[s + 1]:
+            yield s, m.token_order[starts[s + 1]:starts[s + 1] + counts[s + 1]]
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping) -> torch.Tensor:
+    """[T, K] · each row's slot's A [L*R, K]ᵀ -> [T, L*R] float32 (rows without adapter: zeros)."""
+    out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for s, rows in _groups(m):
+        out[rows] = x[rows].float() @ lora_a[s].float().T
+    return out
+
+
+def lora_expand_ref(buf: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, m: LoRAMapping,
+                    bounds: tuple[int, ...]) -> None:
+    """out[row, bounds[j]:bounds[j+1]] += buf[row, j*R:(j+1)*R] · B_j[slot]ᵀ for every row with an adapter (in
+    place; rows without one untouched). R = lora_b.shape[2]."""
+    R = lora_b.shape[2]
+    for s, rows in _groups(m):
+        for j in range(len(bounds) - 1):
+            lo, hi = bounds[j], bounds[j + 1]
+            delta = buf[rows, j * R:(j + 1) * R].float() @ lora_b[s, lo:hi].float().T
+            out[rows, lo:hi] += delta.to(out.dtype)

@@ -1,0 +1,123 @@
+"""Batched multi-LoRA Triton kernels (vLLM's lora_shrink / lora_expand, formerly punica's SGMV/BGMV): the rows of a
+step grouped by adapter slot (LoRAMapping, built once per step on the device), one program per (block of one slot's
+rows, output tile, slot); programs past their slot's rows return at once, so the grid depends on the row count only
+and a decode step is capturable in a CUDA graph. The row count is not specialized on (`do_not_specialize`): vLLM's
+10x TTFT problem was Triton recompiling per context length. References and argument layout: lora_ref.py."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from vserve.kernels.lora_ref import LoRAMapping
+
+BLOCK_M = 16
+
+
+@triton.jit(do_not_specialize=["T"])
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, K, RT, K_PER,
+                   stride_xt, stride_as, stride_ar, stride_ot, stride_os,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_r, pid_sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, split = pid_sk // SPLIT_K, pid_sk % SPLIT_K  # split-K: this program's share of the input features
+    count = tl.load(counts_ptr + s + 1)
+    if pid_m * BLOCK_M >= count:
+        return
+    start = tl.load(starts_ptr + s + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < RT
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_base = a_ptr + s.to(tl.int64) * stride_as
+    k_end = tl.minimum(K, (split + 1) * K_PER)
+    for k0 in range(split * K_PER, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None],
+                     other=0.0)
+        acc += tl.dot(xt, at)
+    tl.store(out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_ot + offs_r[None, :], acc,
+             mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, bounds_ptr, T, R,
+                   stride_bt, stride_bs, stride_bn, stride_ot,
+                   NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid_m, pid_n, pid_sj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, j = pid_sj // NUM_SLICES, pid_sj % NUM_SLICES
+    count = tl.load(counts_ptr + s + 1)
+    if pid_m * BLOCK_M >= count:
+        return
+    lo, hi = tl.load(bounds_ptr + j), tl.load(bounds_ptr + j + 1)
+    n0 = lo + pid_n * BLOCK_N
+    if n0 >= hi:
+        return
+    start = tl.load(starts_ptr + s + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    bw = tl.load(b_ptr + s.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+                 mask=mask_n[None, :] & mask_r[:, None], other=0.0)  # [R, N]
+    bt = tl.load(buf_ptr + rows[:, None] * stride_bt + j * R + offs_r[None, :],
+                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [M, R] float32
+    acc = tl.dot(bt.to(bw.dtype), bw)
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    cur = tl.load(o_ptrs, mask=mask, other=0.0)
+    tl.store(o_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
+
+
+def shrink_split_k(T: int, K: int) -> int:
+    """Splits of the input features for the shrink: a decode step has few row blocks, each a long dot over K
+    (14336 for an 8B down_proj), so K is split until about 64 row blocks x splits run; prefill steps do not split."""
+    return max(1, min(K // 512, 64 // triton.cdiv(T, BLOCK_M)))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: int | None = None) -> torch.Tensor:
+    T, K = x.shape
+    S, RT, _ = lora_a.shape
+    assert x.stride(1) == 1 and lora_a.stride(2) == 1
+    block_k = 64
+    split = split_k or shrink_split_k(T, K)
+    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    split = triton.cdiv(K, k_per)
+    # rows without adapter: never read. Split partials are summed after, in order: deterministic, unlike atomics.
+    out = torch.empty(split, T, RT, dtype=torch.float32, device=x.device)
+    block_r = min(64, triton.next_power_of_2(RT))
+    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(RT, block_r), S * split)
+    _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, T, K, RT, k_per,
+                         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(1), out.stride(0),
+                         SPLIT_K=split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out[0] if split == 1 else out.sum(0)
+
+
+@cache
+def _bounds_tensor(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(bounds, dtype=torch.int32, device=device)  # made once per layer shape, before any capture
+
+
+def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, m: LoRAMapping,
+                bounds: tuple[int, ...]) -> None:
+    T = buf.shape[0]
+    S, _, R = lora_b.shape
+    assert out.stride(1) == 1 and lora_b.stride(2) == 1 and buf.stride(1) == 1
+    L = len(bounds) - 1
+    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    block_n = 64
+    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(widest, block_n), S * L)
+    _expand_kernel[grid](buf, lora_b, out, m.token_order, m.slot_starts, m.slot_counts,
+                         _bounds_tensor(tuple(bounds), out.device), T, R,
+                         buf.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+                         NUM_SLICES=L, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)))
