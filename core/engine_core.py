@@ -24,6 +24,7 @@ from vserve.core.loader import build_model, model_source, needs_activation_profi
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
+from vserve.core.prompt_logprobs import take as take_prompt_logprobs
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sampler import Logprob, SampledTokens
 from vserve.core.scheduler import Scheduler
@@ -67,6 +68,7 @@ class CoreOutput(NamedTuple):
     num_cached_tokens: int
     first_token_time: float | None
     scheduled_time: float | None
+    prompt_logprobs: list | None = None  # with the first token of a request that asked for them
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,8 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with --pipeline-parallel-size > 1")
         if req.sampling_params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
         self.requests[req.request_id] = req
@@ -267,15 +271,16 @@ class EngineCore:
                 req.first_token_time = now
             req.append_token(token)
             self.num_generated_tokens += 1
+            plp = take_prompt_logprobs(req) if req.sampling_params.prompt_logprobs is not None else None
             status = self._check_stop(req, token)
             if status is None:
-                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None))
+                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None, plp))
                 continue
             self.scheduler.finish(req, status)
             self.runner.sampler.release(req.request_id)
             del self.requests[req.request_id]
             outs.append(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
-                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time))
+                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time, plp))
         return outs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -185,8 +185,9 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed."""
-        if not self.enable_caching:
+        """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed; so is
+        every token of a request that wants prompt logprobs (it reads no cached block)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

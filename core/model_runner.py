@@ -12,6 +12,7 @@ from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, 
 from vserve.core.layers.attention import AttentionMetadata
 from vserve.core.layers.rotary import longrope_offset
 from vserve.core.model_config import ModelConfig
+from vserve.core.prompt_logprobs import PromptLogprobsPlan, keep, plan_step, score
 from vserve.core.request import Request
 from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
 from vserve.core.scheduler import SchedulerOutput
@@ -44,6 +45,7 @@ class StepInputs:
     # where it sits in that step's sampled tokens (filled in on the device, see run_step).
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+    prompt_lp: PromptLogprobsPlan | None = None  # rows that score a prompt token (SamplingParams.prompt_logprobs)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -79,6 +81,8 @@ class ModelRunner:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (on the device)
         self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
+        self.prompt_scores: tuple[torch.Tensor, ...] | None = None  # the last step's prompt logprobs (device)
+        self.prompt_segments: list = []  # [(request, first position, count)] of those scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not enforce_eager:
             with startup.phase("cuda graphs"):
@@ -182,6 +186,7 @@ class ModelRunner:
         t = torch.from_numpy
         step = StepInputs(t(input_ids), t(pos), t(slots), t(table), t(context_lens), num_decodes, t(cu_seqlens),
                           t(np.ascontiguousarray(sample_rows, dtype=np.int64)))
+        step.prompt_lp, self.prompt_segments = plan_step(reqs, starts, nums)
         if pending:  # rows are decodes, so a row index is also its token index
             assert all(nums[i] == 1 for i in pending), "only a decode's input token can be in flight"
             step.pending_rows = torch.tensor(pending, dtype=torch.long)
@@ -231,6 +236,7 @@ class ModelRunner:
         hidden = self._run_graph(ids, pos, md)
         if hidden is None:
             hidden = self.model(ids, pos, md)
+        self.prompt_scores = score(self.model, hidden, step.prompt_lp) if step.prompt_lp is not None else None
         if step.sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[rows])
@@ -290,6 +296,8 @@ class ModelRunner:
         if get_tp_size() * get_pp_size() > 1:
             broadcast_object(step)  # the other ranks run the same step on their shards
         logits = self.run_step(step)
+        if self.prompt_scores is not None:
+            keep(self.prompt_segments, self.prompt_scores)
         if logits is None:
             return [], None
         sampled = self.sampler.sample(logits, reqs)

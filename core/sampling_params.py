@@ -31,6 +31,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # The prompt's tokens' logprobs (top-N plus the prompt's own token), computed in the prefill pass; such a request
+    # does not read the prefix cache (a cached block has no logits to give).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Offline use clips max_tokens to what fits in --max-model-len; the server refuses instead (400).
@@ -78,6 +81,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", ">= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", ">= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Request
@@ -82,18 +83,36 @@ def _token_text(tokenizer, token_id: int) -> str:
 
 
 # ---- completions ---------------------------------------------------------------------------------------------
-def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
+def _legacy_logprobs(tokenizer, token_ids: list[int], entries, n_top: int, offset: int) -> dict:
+    """The legacy completions format of tokens and their logprob dicts; an entry None (a prompt's first token) has
+    a null logprob and null top_logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     pos = offset
-    for tok_id, entry in zip(comp.token_ids, comp.logprobs or []):
+    for tok_id, entry in zip(token_ids, entries):
         text = _token_text(tokenizer, tok_id)
         tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
         token_lps.append(entry[tok_id].logprob)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[: max(n_top, 0)]
         tops.append({_token_text(tokenizer, t): lp.logprob for t, lp in ranked} if n_top else None)
-        offsets.append(pos)
-        pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
+    return _legacy_logprobs(tokenizer, comp.token_ids, comp.logprobs or [], n_top, offset)
+
+
+def _echo_logprobs(tokenizer, out: RequestOutput, comp: CompletionOutput, n_top: int) -> dict:
+    """echo with logprobs: the prompt's tokens (the first with null logprobs) then the completion's, as OpenAI's
+    legacy completions and vLLM give them (what evaluation harnesses score)."""
+    lp = _legacy_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, n_top, 0)
+    rest = _completion_logprobs(tokenizer, comp, n_top, sum(map(len, lp["tokens"])))
+    return {k: lp[k] + rest[k] for k in lp}
 
 
 async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Request, settings):
@@ -106,7 +125,15 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         raise ValueError("best_of cannot be used with stream")
     prompts = body.prompts()
     want_lp = body.logprobs is not None or best_of > body.n
-    sp = body.sampling_params(body.max_tokens, (body.logprobs or 0) if want_lp else None, n=best_of)
+    score_only = body.max_tokens == 0  # the prompt's logprobs only: one token is generated and not shown
+    if score_only and not body.echo:
+        raise ValueError("max_tokens 0 needs echo=true (it returns the prompt and, with logprobs, its logprobs)")
+    if score_only and body.stream:
+        raise ValueError("max_tokens 0 cannot be used with stream")
+    sp = body.sampling_params(1 if score_only else body.max_tokens, (body.logprobs or 0) if want_lp else None,
+                              n=best_of)
+    if body.echo and body.logprobs is not None:
+        sp = replace(sp, prompt_logprobs=body.logprobs)
     base_id = random_id("cmpl")
     created, model = now(), settings.served_model_name
     gens = []
@@ -132,6 +159,8 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         n_prompt += len(out.prompt_token_ids)
         n_cached += out.num_cached_tokens
         comps = out.outputs
+        if score_only:
+            comps = [CompletionOutput(c.index, "", [], 0.0, [], "length") for c in comps]
         n_completion += sum(len(c.token_ids) for c in comps)
         if best_of > body.n:
             comps = sorted(comps, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)[: body.n]
@@ -142,7 +171,8 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         for j, comp in enumerate(comps):
             lp = None
             if body.logprobs is not None:
-                lp = _completion_logprobs(tokenizer, comp, body.logprobs, len(prefix))
+                lp = (_echo_logprobs(tokenizer, out, comp, body.logprobs) if body.echo else
+                      _completion_logprobs(tokenizer, comp, body.logprobs, 0))
             choices.append({"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
                             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
     return {"id": base_id, "object": "text_completion", "created": created, "model": model,
@@ -203,8 +233,13 @@ async def _stream_completion(engine, body: CompletionRequest, gens, base_id, cre
                     sent_text[key] = 0
                     if body.echo:
                         p = body.prompts()[pi]
-                        yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index,
-                                          p if isinstance(p, str) else tokenizer.decode(p), None, None))
+                        plp = None
+                        if body.logprobs is not None and out.prompt_logprobs is not None:
+                            plp = _legacy_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                                                   body.logprobs, 0)
+                        echoed = p if isinstance(p, str) else tokenizer.decode(p)
+                        sent_text[key] = len(echoed)
+                        yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index, echoed, plp, None))
                 n_completion += len(comp.token_ids)
                 if key in held:
                     comp = held.pop(key).then(comp)
