@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from rich.progress import TextColumn
 
+from vserve.core.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from vserve.core.config import EngineConfig
 from vserve.core.engine import LLMEngine
 from vserve.core.request import RequestOutput
@@ -61,6 +62,10 @@ class LLM:
             for rid in order:
                 engine.abort_request(rid)
             raise
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (HF transformers' semantics for length_penalty and stopping): core/beam_search.py."""
+        return run_beam_search(self, prompts, params)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

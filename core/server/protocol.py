@@ -134,6 +134,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
+    # vLLM's beam search fields: the beam width is best_of (else n); the best n sequences are returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
