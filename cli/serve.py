@@ -31,6 +31,9 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
     disable_uvicorn_access_log: bool = typer.Option(False, "--disable-uvicorn-access-log",
                                                     help="No log line per HTTP request"),
+    allow_special_tokens_in_content: bool = typer.Option(
+        False, "--allow-special-tokens-in-content", help="Let user and tool message content tokenize to special "
+        "tokens (by default their special-token strings are neutralised, so a message cannot inject a turn)"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -56,6 +59,7 @@ def serve(
     print_config(config)
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
-                        access_log=not disable_uvicorn_access_log)
+                        access_log=not disable_uvicorn_access_log,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

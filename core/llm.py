@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.progress import TextColumn
 
@@ -32,6 +33,30 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics API: a snapshot of the engine's gauges and counters as Metric(name, value), with
+        vLLM's names under vserve: and the seeds' names (running_requests, gpu_utilization, memory_utilization,
+        block_utilization, cache_hit_rate, ...); also indexable by name (`llm.get_metrics()["cache_hit_rate"]`)."""
+        from vserve.core.server.metrics import seed_values
+
+        engine = self.llm_engine
+        s = engine.stats()
+        values = {"vserve:num_requests_running": s.num_running, "vserve:num_requests_waiting": s.num_waiting,
+                  "vserve:kv_cache_usage_perc": s.kv_cache_usage, "vserve:prefix_cache_queries": s.prefix_cache_queries,
+                  "vserve:prefix_cache_hits": s.prefix_cache_hits, "vserve:num_preemptions": s.num_preemptions,
+                  "vserve:prompt_tokens": engine.num_computed_prompt_tokens,
+                  "vserve:generation_tokens": engine.num_generated_tokens, **seed_values(engine)}
+        return MetricList(Metric(name, value) for name, value in values.items())
+
+    def sanitize_input(self, text: str) -> str:
+        """text with every special-token string of this model's tokenizer neutralised (core/sanitize.py): it can
+        never tokenize to a special token, so untrusted text cannot inject template tokens."""
+        from vserve.core.sanitize import sanitize_input
+
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): nothing to sanitize against")
+        return sanitize_input(self.llm_engine.tokenizer, text)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -101,6 +126,24 @@ class LLM:
                 tps = (engine.num_generated_tokens - n0) / max(time.perf_counter() - start, 1e-9)
                 progress.update(task, tps=f"{tps:,.0f}")
         return [done[rid] for rid in order]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    value: float
+
+
+class MetricList(list):
+    """LLM.get_metrics()'s list of Metric, also looked up by name."""
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for m in self:
+                if m.name == key:
+                    return m.value
+            raise KeyError(key)
+        return super().__getitem__(key)
 
 
 def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:

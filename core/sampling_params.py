@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -22,6 +23,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    repeat_penalty: float | None = None  # llama.cpp's name for repetition_penalty (an alias: sets it)
+    length_penalty: float = 1.0  # acts in beam search only (BeamSearchParams); here 1.0, the seeds' value
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -42,6 +45,16 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        if self.repeat_penalty is not None:
+            if self.repetition_penalty not in (1.0, self.repeat_penalty):
+                raise ValueError(f"repeat_penalty is llama.cpp's name for repetition_penalty: give one, got "
+                                 f"repeat_penalty={self.repeat_penalty!r}, "
+                                 f"repetition_penalty={self.repetition_penalty!r}")
+            self.repetition_penalty, self.repeat_penalty = self.repeat_penalty, None
+        if self.length_penalty != 1.0:
+            raise ValueError(f"length_penalty acts in beam search: LLM.beam_search(prompts, BeamSearchParams("
+                             f"beam_width=4, max_tokens=..., length_penalty={self.length_penalty!r})); sampling "
+                             f"takes only 1.0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -112,3 +125,24 @@ class SamplingParams:
             out = [t for t in ids if t >= vocab_size]
             if out:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {out[:5]}")
+
+
+def _refuse_engine_args(init):
+    """An engine argument given to SamplingParams (a seed's `SamplingParams(max_num_seqs=16)`) is a ValueError that
+    says where it belongs, not a TypeError."""
+    from vserve.core.config import EngineConfig  # a plain dataclass: no torch
+
+    engine_names = {f.name for f in fields(EngineConfig)} - {f.name for f in fields(SamplingParams)} - {"sources"}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        misplaced = [k for k in kwargs if k in engine_names]
+        if misplaced:
+            k = misplaced[0]
+            raise ValueError(f"{k} is an engine argument: LLM(..., {k}={kwargs[k]!r})")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_engine_args(SamplingParams.__init__)

@@ -20,7 +20,6 @@ def eos_model(tmp_path_factory, default_model_dir):
     """A random Llama with a 64-token vocabulary whose EOS row of the LM head is scaled up: EOS is often among the
     top candidates, so hypotheses of different lengths compete."""
     import transformers
-
     from conftest import TOKENIZER_FILES, _config
 
     torch.manual_seed(3)

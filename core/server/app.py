@@ -54,6 +54,7 @@ class ServerSettings:
     chat_template: str | None = None
     max_body_bytes: int = 8 << 20
     log_interval_s: float = 10.0
+    allow_special_tokens_in_content: bool = False  # else user/tool content's special-token strings are neutralised
 
 
 class BodyLimitMiddleware:
@@ -168,6 +169,7 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         return {"version": __version__}
 
     @app.get("/metrics")
+    @app.get("/prometheus_metrics")  # the seeds' path: the same exposition
     async def get_metrics():
         if engine is not None:
             metrics.refresh(engine.engine)

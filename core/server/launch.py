@@ -27,6 +27,7 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     log_interval_s: float = 10.0
     access_log: bool = True  # uvicorn's line per request (vLLM's --disable-uvicorn-access-log turns it off)
+    allow_special_tokens_in_content: bool = False
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -52,7 +53,8 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     else:
         engine = _build_engine(config, opts)
     settings = ServerSettings(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
-                              api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s)
+                              api_key=opts.api_key, chat_template=template, log_interval_s=opts.log_interval_s,
+                              allow_special_tokens_in_content=opts.allow_special_tokens_in_content)
     app = build_app(engine, settings, embedder=embedder)
     if engine is not None:
         metrics = app.state.metrics

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from vserve.core.async_engine import AsyncLLM, EngineDeadError
 from vserve.core.beam_search import BeamSearchParams, advance_all, finish_searches, start_searches, step_params
 from vserve.core.request import CompletionOutput, RequestOutput
+from vserve.core.sanitize import sanitize_input
 from vserve.core.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,6 +24,8 @@ from vserve.core.server.protocol import (
     random_id,
     usage,
 )
+
+UNTRUSTED_ROLES = ("user", "tool")  # their content is neutralised unless --allow-special-tokens-in-content
 
 
 def render_chat(engine, conversation: list[dict], settings, add_generation_prompt: bool = True) -> str:
@@ -33,6 +36,9 @@ def render_chat(engine, conversation: list[dict], settings, add_generation_promp
     conv = [{"role": "system" if m["role"] == "developer" else m["role"],
              "content": m["content"] if isinstance(m["content"], str) else
              "".join(p["text"] for p in (m["content"] or []))} for m in conversation]
+    if not getattr(settings, "allow_special_tokens_in_content", False):  # untrusted roles cannot inject turns
+        conv = [{**m, "content": sanitize_input(tok, m["content"])} if m["role"] in UNTRUSTED_ROLES else m
+                for m in conv]
     try:
         return tok.apply_chat_template(conv, chat_template=template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
