@@ -12,6 +12,8 @@ from rich.console import Console
 from vserve.cli.engine_args import engine_command, print_config
 
 console = Console(stderr=True, highlight=False)
+# --task (vLLM's names, the seeds' "completion" and vLLM's older "embedding" too) -> what is served
+TASKS = {"auto": "auto", "generate": "generate", "completion": "generate", "embed": "embed", "embedding": "embed"}
 
 
 @engine_command
@@ -31,6 +33,9 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="Seconds to finish in-flight requests after SIGTERM"),
     disable_uvicorn_access_log: bool = typer.Option(False, "--disable-uvicorn-access-log",
                                                     help="No log line per HTTP request"),
+    task: str = typer.Option("auto", help="auto | generate | completion | embed: what the model serves (vLLM's "
+                             "--task; completion is generate); a model that cannot do it is an error"),
+    awq_algorithm: str | None = typer.Option(None, hidden=True, help="Not a flag: kernels are chosen automatically"),
     allow_special_tokens_in_content: bool = typer.Option(
         False, "--allow-special-tokens-in-content", help="Let user and tool message content tokenize to special "
         "tokens (by default their special-token strings are neutralised, so a message cannot inject a turn)"),
@@ -46,6 +51,11 @@ def serve(
         if engine_args.get("model") is not None and engine_args["model"] != model_arg:
             raise ValueError("give the model once: as MODEL or as --model")
         engine_args["model"] = model_arg
+    if awq_algorithm is not None:
+        raise ValueError(f"--awq-algorithm {awq_algorithm} is not a flag: the AWQ kernel is chosen automatically "
+                         "(W4A16 Triton GEMM on GPUs, dequantized weights on CPU); drop it and keep --quantization awq")
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if not 1 <= port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     if max_queue_len is not None and max_queue_len < 1:
@@ -60,6 +70,6 @@ def serve(
     opts = ServeOptions(host=host, port=port, api_key=key, served_model_name=tuple(served_model_name or ()),
                         chat_template=chat_template, max_queue_len=max_queue_len, drain_timeout_s=drain_timeout,
                         access_log=not disable_uvicorn_access_log,
-                        allow_special_tokens_in_content=allow_special_tokens_in_content)
+                        allow_special_tokens_in_content=allow_special_tokens_in_content, task=TASKS[task])
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

@@ -147,7 +147,8 @@ class EngineCore:
             gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager and not multi,
             num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None,
-            sliding_window=mc.kv_window(), **measured)
+            sliding_window=mc.kv_window(),
+            prefix_cache_bytes=int(c.cache_size_gb * GiB) if c.cache_size_gb else None, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:
@@ -157,9 +158,11 @@ class EngineCore:
         # where every layer slides, blocks behind the window go back to the pool as a request moves on
         longrope = longrope_offset(mc.rope_scaling, mc.max_position_embeddings)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window(),
-                                 longrope_original=longrope[0] if longrope else None)
+                                 longrope_original=longrope[0] if longrope else None,
+                                 max_cached_free_blocks=self.memory_plan.prefix_cache_max_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill)
+                                   self.max_model_len, config.enable_chunked_prefill,
+                                   config.long_prefill_token_threshold)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,

@@ -207,6 +207,7 @@ class MemoryPlan:
     sliding_window: int | None  # the window the KV manager releases blocks behind (None: every block is kept)
     verdict: str  # fits | tight | oom
     reason: str
+    prefix_cache_max_blocks: int | None = None  # --cache-size-gb: free blocks the prefix cache keeps (None: all)
 
     @property
     def non_kv_bytes(self) -> int:
@@ -246,7 +247,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
                 max_num_seqs: int = 256, cuda_graphs: bool = True, kv_dtype_bytes: int | None = None,
                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                 other_processes_bytes: int = 0, in_use_bytes: int | None = None,
-                peak_activation_bytes: int | None = None, sliding_window: int | None = None) -> MemoryPlan:
+                peak_activation_bytes: int | None = None, sliding_window: int | None = None,
+                prefix_cache_bytes: int | None = None) -> MemoryPlan:
     """Plan one rank's memory.
 
     gpu_memory_bytes None plans the CPU path: the KV cache gets kv_cache_bytes (default: default_cpu_kv_budget()).
@@ -257,7 +259,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     CUDA context, other processes) replaces the predicted weights + runtime + other processes, and
     peak_activation_bytes the predicted activation peak. sliding_window (ModelConfig.kv_window(), for an engine
     whose KV manager releases the blocks behind it): a sequence holds at most its window's blocks plus a step's
-    tokens (kv_blocks_per_seq), however long it grows.
+    tokens (kv_blocks_per_seq), however long it grows. prefix_cache_bytes (--cache-size-gb): the free blocks the
+    prefix cache may keep cached (prefix_cache_max_blocks).
     """
     tp = tensor_parallel_size
     check_tensor_parallel(model, tp)
@@ -322,7 +325,9 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         max_model_len_fit=(min(num_blocks * block_size, context_limit(model)) if sliding_window is None else
                            context_limit(model) if num_blocks >= seq_blocks else 0),
         max_concurrency=num_blocks * block_size / seq_tokens, kv_blocks_per_seq=seq_blocks,
-        sliding_window=sliding_window, verdict=verdict, reason=reason)
+        sliding_window=sliding_window, verdict=verdict, reason=reason,
+        prefix_cache_max_blocks=(None if prefix_cache_bytes is None else
+                                 min(num_blocks, prefix_cache_bytes // per_block)))
 
 
 # ---- helpers plan_memory is built on -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class ServeOptions:
     log_interval_s: float = 10.0
     access_log: bool = True  # uvicorn's line per request (vLLM's --disable-uvicorn-access-log turns it off)
     allow_special_tokens_in_content: bool = False
+    task: str = "auto"  # auto | generate | embed (--task): what the model must serve
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -46,7 +47,12 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     with startup.phase("resolve model"):
         config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
-    if config.model and _is_embedding(config.model):
+    embedding = bool(config.model) and _is_embedding(config.model)
+    if opts.task != "auto" and (opts.task == "embed") != embedding:
+        what = "an embedding model" if embedding else "a generative model (no embedding head)"
+        raise ValueError(f"--task {opts.task}: {names[0]} is {what}; serve it with --task "
+                         f"{'embed' if embedding else 'generate'} (or leave --task out)")
+    if embedding:
         from vserve.core.embedding import EmbeddingEngine
 
         embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
