@@ -1,6 +1,8 @@
 """Prompt logprobs: SamplingParams(prompt_logprobs=N) offline and echo + logprobs on /v1/completions equal HF's
 log-softmax of the prompt (float32, a tiny random model), under chunked prefill and with the prefix cache on."""
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -125,3 +127,33 @@ def test_echo_logprobs_score_the_prompt(server, hf_logprobs, tiny_dir, max_token
 def test_max_tokens_zero_needs_echo(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0, "logprobs": 1})
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_first(server, hf_logprobs):
+    prompt = PROMPTS[1]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = events[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["token_logprobs"]) == len(prompt)
+    ref = hf_logprobs(prompt)
+    assert first["token_logprobs"][1:] == pytest.approx([ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))],
+                                                        abs=1e-4)
+    generated = [t for e in events[1:] for t in (e["choices"][0]["logprobs"] or {"tokens": []})["tokens"]]
+    assert len(generated) == 3
+
+
+def test_vllm_prompt_logprobs_field(server, hf_logprobs):
+    prompt = PROMPTS[0]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                         "prompt_logprobs": 2, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(prompt)
+    ref = hf_logprobs(prompt)
+    for i in range(1, len(prompt)):
+        top = ref[i - 1].topk(2).indices.tolist()
+        assert set(plp[i]) == {str(t) for t in [*top, prompt[i]]}
+        assert plp[i][str(prompt[i])]["logprob"] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+    assert r.json()["choices"][0]["logprobs"] is None  # no echo: the legacy logprobs are not asked for

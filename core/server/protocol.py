@@ -134,6 +134,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
+    # vLLM's field: each choice's "prompt_logprobs", {token id: {logprob, rank, decoded_token}} per prompt token
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's beam search fields: the beam width is best_of (else n); the best n sequences are returned
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -110,6 +110,15 @@ def _legacy_logprobs(tokenizer, token_ids: list[int], entries, n_top: int, offse
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _vllm_prompt_logprobs(tokenizer, out: RequestOutput, n_top: int) -> list:
+    """vLLM's prompt_logprobs field: None for the first token, then {token id: {logprob, rank, decoded_token}} of the
+    prompt's token and the top n_top."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_text(tokenizer, t)}
+             for t, lp in entry.items() if t == tok or lp.rank <= n_top}
+            for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
+
+
 def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
     return _legacy_logprobs(tokenizer, comp.token_ids, comp.logprobs or [], n_top, offset)
 
@@ -141,8 +150,8 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         raise ValueError("max_tokens 0 cannot be used with stream")
     sp = body.sampling_params(1 if score_only else body.max_tokens, (body.logprobs or 0) if want_lp else None,
                               n=best_of)
-    if body.echo and body.logprobs is not None:
-        sp = replace(sp, prompt_logprobs=body.logprobs)
+    if body.echo and body.logprobs is not None or body.prompt_logprobs is not None:
+        sp = replace(sp, prompt_logprobs=max(body.logprobs or 0 if body.echo else 0, body.prompt_logprobs or 0))
     base_id = random_id("cmpl")
     created, model = now(), settings.served_model_name
     gens = []
@@ -182,8 +191,11 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
             if body.logprobs is not None:
                 lp = (_echo_logprobs(tokenizer, out, comp, body.logprobs) if body.echo else
                       _completion_logprobs(tokenizer, comp, body.logprobs, 0))
-            choices.append({"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
-                            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+            choice = {"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, out, body.prompt_logprobs)
+            choices.append(choice)
     return {"id": base_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(n_prompt, n_completion, n_cached)}
 
