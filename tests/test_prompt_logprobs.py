@@ -157,3 +157,15 @@ def test_vllm_prompt_logprobs_field(server, hf_logprobs):
         assert set(plp[i]) == {str(t) for t in [*top, prompt[i]]}
         assert plp[i][str(prompt[i])]["logprob"] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
     assert r.json()["choices"][0]["logprobs"] is None  # no echo: the legacy logprobs are not asked for
+
+
+def test_prompt_logprobs_under_tensor_parallel(tiny_dir, hf_logprobs):
+    """Every rank runs the scoring rows (the LM head's all-gather is a collective); rank 0 keeps the result."""
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=512, tensor_parallel_size=2,
+              max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    finally:
+        llm.llm_engine.shutdown()
+    for p, out in zip(PROMPTS[:2], outs):
+        check_against_hf(p, out.prompt_logprobs, hf_logprobs(p), 1)
