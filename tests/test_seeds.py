@@ -150,7 +150,8 @@ def test_seed003_get_metrics(llm):
 @pytest.fixture(scope="module")
 def server(server_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    return server_factory(["--max-model-len", "1024"], log)  # the embedded default model
+    # seed 001's `vserve serve M --task completion`, the embedded default model for M
+    return server_factory(["--task", "completion", "--max-model-len", "1024"], log)
 
 
 def test_seed001_prometheus_metrics_path_and_names(server):
@@ -328,8 +329,7 @@ def test_seed001_task_completion_and_mismatch(tmp_path):
     assert "--task must be one of" in one_error_line(run(["-m", "vserve.cli.main", "serve", "--task", "chat"]))
 
 
-def test_seed001_task_completion_serves(server_factory, tmp_path):
-    server = server_factory(["--task", "completion", "--max-model-len", "512"], tmp_path / "task.log")
+def test_seed001_task_completion_serves(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
