@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 _ROOT = _Path(__file__).resolve().parent
 _sys.path[:] = [p for p in _sys.path if _Path(p or ".").resolve() != _ROOT]
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "StructuredOutputsParams",
-           "GuidedDecodingParams", "LoRARequest", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "StructuredOutputsParams", "GuidedDecodingParams", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,6 +28,10 @@ def __getattr__(name: str):
         from vserve.core.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from vserve.core.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from vserve.core import request
 

@@ -90,6 +90,8 @@ def render(report) -> None:
             plan.add_row(part, fmt_bytes(n))
         plan.add_row("KV per token", fmt_bytes(p.kv_bytes_per_token))
         plan.add_row("KV blocks", f"{p.num_blocks} x {p.block_size} tokens")
+        if p.prefix_cache_max_blocks is not None:
+            plan.add_row("prefix cache cap (--cache-size-gb)", f"{p.prefix_cache_max_blocks} free blocks")
         plan.add_row("longest sequence that fits", str(p.max_model_len_fit))
         plan.add_row(f"sequences of {p.max_model_len} at once", f"{p.max_concurrency:.1f}")
         plan.add_row("verdict", Text(p.verdict, style={"fits": "green", "tight": "yellow", "oom": "red"}[p.verdict]))

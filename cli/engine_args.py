@@ -79,6 +79,10 @@ ENGINE_FLAGS = (
                "for offline runs on the CPU; off under TP/PP"),
     EngineFlag("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes"),
     EngineFlag("enable_chunked_prefill", bool, "Split long prompts across steps"),
+    EngineFlag("long_prefill_token_threshold", int, "Most prompt tokens of one request in one step (the seeds' "
+               "--chunk-size)", "the step's token budget", decls=("--long-prefill-token-threshold", "--chunk-size")),
+    EngineFlag("cache_size_gb", float, "GiB (per GPU) the prefix cache may keep in blocks no request holds; the "
+               "least recently used beyond it are evicted first", "every free block"),
     EngineFlag("quantization", str, f"{' | '.join(QUANTIZATION_METHODS)}: the checkpoint's quantization "
                "(docs/quantization.md)", "from config.json's quantization_config"),
     EngineFlag("kv_cache_dtype", str, f"{' | '.join(KV_CACHE_DTYPES)}; fp8 stores K and V as float8 e4m3 (scale 1, "
@@ -92,6 +96,8 @@ ENGINE_FLAGS = (
     EngineFlag("node_rank", int, "This node's index; nodes other than 0 run ranks only"),
     EngineFlag("master_addr", str, "Node 0's address for the rendezvous"),
     EngineFlag("master_port", int, "Node 0's rendezvous port", "a free port (one node)"),
+    EngineFlag("worker_addresses", str, "host:port per node, node 0's first (sets --nnodes, --master-addr and "
+               "--master-port from the first)"),
     EngineFlag("trust_remote_code", bool, "Let the tokenizer run code from the model folder",
                decls=("--trust-remote-code",)),
     EngineFlag("skip_tokenizer_init", bool, "Load no tokenizer: prompts are token ids, outputs carry no text",

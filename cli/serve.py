@@ -15,6 +15,8 @@ console = Console(stderr=True, highlight=False)
 # the names of core/tool_parsers.py's and core/reasoning_parsers.py's parsers (cli/ imports no core at start-up)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# --task (vLLM's names, the seeds' "completion" and vLLM's older "embedding" too) -> what is served
+TASKS = {"auto": "auto", "generate": "generate", "completion": "generate", "embed": "embed", "embedding": "embed"}
 
 
 @engine_command
@@ -46,6 +48,12 @@ def serve(
     enable_lora_runtime_updating: bool = typer.Option(False, "--enable-lora-runtime-updating",
                                                       help="Serve POST /v1/load_lora_adapter and "
                                                       "/v1/unload_lora_adapter (else 404)"),
+    task: str = typer.Option("auto", help="auto | generate | completion | embed: what the model serves (vLLM's "
+                             "--task; completion is generate); a model that cannot do it is an error"),
+    awq_algorithm: str | None = typer.Option(None, hidden=True, help="Not a flag: kernels are chosen automatically"),
+    allow_special_tokens_in_content: bool = typer.Option(
+        False, "--allow-special-tokens-in-content", help="Let user and tool message content tokenize to special "
+        "tokens (by default their special-token strings are neutralised, so a message cannot inject a turn)"),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -58,6 +66,11 @@ def serve(
         if engine_args.get("model") is not None and engine_args["model"] != model_arg:
             raise ValueError("give the model once: as MODEL or as --model")
         engine_args["model"] = model_arg
+    if awq_algorithm is not None:
+        raise ValueError(f"--awq-algorithm {awq_algorithm} is not a flag: the AWQ kernel is chosen automatically "
+                         "(W4A16 Triton GEMM on GPUs, dequantized weights on CPU); drop it and keep --quantization awq")
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if not 1 <= port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     if max_queue_len is not None and max_queue_len < 1:
@@ -80,6 +93,7 @@ def serve(
                         access_log=not disable_uvicorn_access_log, enable_auto_tool_choice=enable_auto_tool_choice,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         lora_modules=tuple(lora_modules or ()),
-                        lora_runtime_updating=enable_lora_runtime_updating)
+                        lora_runtime_updating=enable_lora_runtime_updating,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content, task=TASKS[task])
     console.print(f"vserve serving on http://{host}:{port}/v1 (api key {'required' if key else 'off'})")
     raise typer.Exit(run(config, opts))

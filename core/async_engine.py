@@ -73,6 +73,8 @@ class _Stream:
                 c.cumulative_logprob += d.cumulative_logprob or 0.0
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         out.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             out.finished = True
             for c, parts in zip(out.outputs, self.text_parts):
@@ -89,7 +91,8 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     outs = [by_index.pop(d.index).then(d) if d.index in by_index else d for d in b.outputs]
     outs += by_index.values()
     outs.sort(key=lambda c: c.index)
-    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.num_cached_tokens)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.num_cached_tokens,
+                         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 def _fold(items: list[tuple[_Stream, RequestOutput]]) -> None:

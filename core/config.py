@@ -36,6 +36,8 @@ class EngineConfig:
     engine_process: bool | None = None  # the core in a process of its own; None: for a server, and on a GPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # most prefill tokens of one request per step (seeds: chunk_size)
+    cache_size_gb: float | None = None  # GiB per GPU the prefix cache's unused cached blocks may hold; None: all free
     quantization: str | None = None  # None: from config.json's quantization_config
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"
@@ -46,6 +48,9 @@ class EngineConfig:
     node_rank: int = 0  # node 0 runs the engine (and the server); the others run ranks only
     master_addr: str = "127.0.0.1"  # node 0's address for the torch.distributed rendezvous
     master_port: int | None = None  # None: a free port (one node only)
+    # The seeds' multi-node spelling: "host:port,host:port,..." one per node, node 0's first; it sets nnodes and the
+    # rendezvous (master_addr, master_port) from the first address
+    worker_addresses: str | None = None
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids and outputs carry no text
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -59,7 +64,30 @@ class EngineConfig:
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.worker_addresses is not None:
+            self._apply_worker_addresses()
         self.validate()
+
+    def _apply_worker_addresses(self) -> None:
+        """--worker-addresses ip1:8000,ip2:8001 -> --nnodes 2 --master-addr ip1 --master-port 8000."""
+        nodes = []
+        for part in self.worker_addresses.split(","):
+            host, _, port = part.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--worker-addresses must be host:port,host:port,... (one per node, node 0's first), "
+                                 f"got {self.worker_addresses!r}")
+            nodes.append((host.strip("[]"), int(port)))
+        implied = {"nnodes": len(nodes), "master_addr": nodes[0][0], "master_port": nodes[0][1]}
+        defaults = {"nnodes": 1, "master_addr": "127.0.0.1", "master_port": None}
+        for name, value in implied.items():
+            given = getattr(self, name)
+            if given != defaults[name] and given != value:
+                raise ValueError(f"--worker-addresses sets --{name.replace('_', '-')} {value}, but "
+                                 f"--{name.replace('_', '-')} {given} was given: give one")
+            setattr(self, name, value)
+
+    # The seeds' names for engine arguments vLLM names otherwise (LLM(chunk_size=512) is long_prefill_token_threshold).
+    ALIASES = {"chunk_size": "long_prefill_token_threshold"}
 
     def validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -114,6 +142,16 @@ class EngineConfig:
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise bad("pipeline_parallel_size", "1 with --enable-lora (LoRA under pipeline parallelism is not "
                       "supported yet)")
+        if self.long_prefill_token_threshold is not None:
+            if self.long_prefill_token_threshold < 1:
+                raise bad("long_prefill_token_threshold", ">= 1 (the seeds' chunk_size)")
+            if not self.enable_chunked_prefill:
+                raise bad("long_prefill_token_threshold", "unset without chunked prefill (it caps a prefill chunk)")
+        if self.cache_size_gb is not None:
+            if self.cache_size_gb <= 0:
+                raise bad("cache_size_gb", "> 0")
+            if not self.enable_prefix_caching:
+                raise bad("cache_size_gb", "unset without --enable-prefix-caching (it caps the prefix cache)")
         if self.profile not in (None, "auto"):
             from vserve.profiles import profile_names  # YAML file names only: cheap, no torch
 
@@ -130,6 +168,13 @@ class EngineConfig:
         names a kind of checkpoint to serve, and the flag must match the checkpoint.
         """
         names = {f.name for f in fields(cls)} - {"sources"}
+        for alias, name in cls.ALIASES.items():
+            if flags.get(alias) is not None:
+                if flags.get(name) is not None and flags[name] != flags[alias]:
+                    raise ValueError(f"{alias} is another name for {name}: give one")
+                flags = {**{k: v for k, v in flags.items() if k != alias}, name: flags[alias]}
+            elif alias in flags:
+                flags = {k: v for k, v in flags.items() if k != alias}
         unknown = set(flags) - names
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

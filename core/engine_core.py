@@ -26,6 +26,7 @@ from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
+from vserve.core.prompt_logprobs import take as take_prompt_logprobs
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sampler import Logprob, SampledTokens
 from vserve.core.scheduler import Scheduler
@@ -74,6 +75,7 @@ class CoreOutput(NamedTuple):
     num_cached_tokens: int
     first_token_time: float | None
     scheduled_time: float | None
+    prompt_logprobs: list | None = None  # with the first token of a request that asked for them
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ class EngineCore:
             num_kv_blocks=c.num_kv_blocks, kv_dtype_bytes=1 if c.kv_cache_dtype.startswith("fp8") else None,
             kv_cache_bytes=c.kv_cache_memory_gib * GiB if c.kv_cache_memory_gib else None,
             sliding_window=mc.kv_window(), max_loras=c.max_loras if c.enable_lora else 0,
-            max_lora_rank=c.max_lora_rank, **measured)
+            max_lora_rank=c.max_lora_rank,
+            prefix_cache_bytes=int(c.cache_size_gb * GiB) if c.cache_size_gb else None, **measured)
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:
@@ -165,9 +168,11 @@ class EngineCore:
         # where every layer slides, blocks behind the window go back to the pool as a request moves on
         longrope = longrope_offset(mc.rope_scaling, mc.max_position_embeddings)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window(),
-                                 longrope_original=longrope[0] if longrope else None)
+                                 longrope_original=longrope[0] if longrope else None,
+                                 max_cached_free_blocks=self.memory_plan.prefix_cache_max_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill)
+                                   self.max_model_len, config.enable_chunked_prefill,
+                                   config.long_prefill_token_threshold)
         lora = attach_lora(self.model, config, self.dtype, self.device)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
@@ -203,6 +208,8 @@ class EngineCore:
             if self.scheduler.lora is None:
                 raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
             self.scheduler.lora.register(req.lora_id, req.lora_name, req.lora_path)
+        if req.sampling_params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with --pipeline-parallel-size > 1")
         if req.sampling_params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.sampling_params.seed)  # CPU: cheap per-row draws
         if req.structured is not None:
@@ -329,16 +336,17 @@ class EngineCore:
                 req.first_token_time = now
             req.append_token(token)
             self.num_generated_tokens += 1
+            plp = take_prompt_logprobs(req) if req.sampling_params.prompt_logprobs is not None else None
             status = self._check_stop(req, token)
             if status is None and req.grammar is not None and req.grammar.accept(token):
                 status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
             if status is None:
-                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None))
+                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None, plp))
                 continue
             self._finish(req, status)
             del self.requests[req.request_id]
             outs.append(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
-                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time))
+                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time, plp))
         return outs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -80,11 +80,15 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
 class BlockPool:
     """All KV blocks, their ref counts, the free queue and the hash -> cached block map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, max_cached_free: int | None = None) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}
         self.enable_caching = enable_caching
+        # --cache-size-gb: at most this many free blocks keep their hash (the prefix cache's resident size beyond
+        # the blocks requests hold); the least recently freed lose it first. cached_free: those blocks, LRU first.
+        self.max_cached_free = max_cached_free
+        self.cached_free: dict[int, KVCacheBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -106,9 +110,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict the LRU cached block
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+                self._uncache(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             out.append(block)
@@ -119,6 +121,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.cached_free.pop(block.block_id, None)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -128,6 +131,17 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.max_cached_free is not None and block.block_hash is not None:
+                    self.cached_free[block.block_id] = block
+                    while len(self.cached_free) > self.max_cached_free:
+                        self._uncache(self.cached_free[next(iter(self.cached_free))])
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        """The block's contents are no longer found by hash (it stays where it is in the free queue)."""
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.cached_free.pop(block.block_id, None)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:
@@ -140,6 +154,7 @@ class BlockPool:
         if self.num_free_blocks() != self.num_blocks:
             return False
         self.cached.clear()
+        self.cached_free.clear()
         for b in self.blocks:
             b.block_hash = None
         return True
@@ -158,7 +173,8 @@ class KVCacheManager:
     without its hybrid allocator: a model with any full-attention layer keeps every block)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None, longrope_original: int | None = None) -> None:
+                 sliding_window: int | None = None, longrope_original: int | None = None,
+                 max_cached_free_blocks: int | None = None) -> None:
         self.block_size = block_size
         # LongRoPE (Phi-3): a prompt longer than this rotates every key with the long factors, a shorter one its first
         # keys with the short ones, so their blocks must never be shared: the long ones hash with an extra key
@@ -166,7 +182,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.num_released: dict[str, int] = {}  # leading blocks of a request released (out of the window)
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, max_cached_free_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
@@ -187,8 +203,9 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed."""
-        if not self.enable_caching:
+        """Longest cached prefix of full blocks. The last token is always recomputed: its logits are needed; so is
+        every token of a request that wants prompt logprobs (it reads no cached block)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.progress import TextColumn
 
+from vserve.core.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from vserve.core.config import EngineConfig
 from vserve.core.engine import LLMEngine
 from vserve.core.lora.adapter import LoRARequest
@@ -32,6 +34,30 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics API: a snapshot of the engine's gauges and counters as Metric(name, value), with
+        vLLM's names under vserve: and the seeds' names (running_requests, gpu_utilization, memory_utilization,
+        block_utilization, cache_hit_rate, ...); also indexable by name (`llm.get_metrics()["cache_hit_rate"]`)."""
+        from vserve.core.server.metrics import seed_values
+
+        engine = self.llm_engine
+        s = engine.stats()
+        values = {"vserve:num_requests_running": s.num_running, "vserve:num_requests_waiting": s.num_waiting,
+                  "vserve:kv_cache_usage_perc": s.kv_cache_usage, "vserve:prefix_cache_queries": s.prefix_cache_queries,
+                  "vserve:prefix_cache_hits": s.prefix_cache_hits, "vserve:num_preemptions": s.num_preemptions,
+                  "vserve:prompt_tokens": engine.num_computed_prompt_tokens,
+                  "vserve:generation_tokens": engine.num_generated_tokens, **seed_values(engine)}
+        return MetricList(Metric(name, value) for name, value in values.items())
+
+    def sanitize_input(self, text: str) -> str:
+        """text with every special-token string of this model's tokenizer neutralised (core/sanitize.py): it can
+        never tokenize to a special token, so untrusted text cannot inject template tokens."""
+        from vserve.core.sanitize import sanitize_input
+
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): nothing to sanitize against")
+        return sanitize_input(self.llm_engine.tokenizer, text)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -80,6 +106,10 @@ class LLM:
     def list_lora_adapters(self) -> list[str]:
         return self.llm_engine.list_lora_adapters()
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (HF transformers' semantics for length_penalty and stopping): core/beam_search.py."""
+        return run_beam_search(self, prompts, params)
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -125,6 +155,24 @@ def _per_prompt(value, n: int, name: str) -> list:
     if len(value) != n:
         raise ValueError(f"got {len(value)} {name} entries for {n} prompts")
     return list(value)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    value: float
+
+
+class MetricList(list):
+    """LLM.get_metrics()'s list of Metric, also looked up by name."""
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for m in self:
+                if m.name == key:
+                    return m.value
+            raise KeyError(key)
+        return super().__getitem__(key)
 
 
 def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:

@@ -208,6 +208,7 @@ class MemoryPlan:
     sliding_window: int | None  # the window the KV manager releases blocks behind (None: every block is kept)
     verdict: str  # fits | tight | oom
     reason: str
+    prefix_cache_max_blocks: int | None = None  # --cache-size-gb: free blocks the prefix cache keeps (None: all)
 
     @property
     def non_kv_bytes(self) -> int:
@@ -250,7 +251,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                 other_processes_bytes: int = 0, in_use_bytes: int | None = None,
                 peak_activation_bytes: int | None = None, sliding_window: int | None = None,
-                max_loras: int = 0, max_lora_rank: int = 16) -> MemoryPlan:
+                max_loras: int = 0, max_lora_rank: int = 16,
+                prefix_cache_bytes: int | None = None) -> MemoryPlan:
     """Plan one rank's memory.
 
     gpu_memory_bytes None plans the CPU path: the KV cache gets kv_cache_bytes (default: default_cpu_kv_budget()).
@@ -262,7 +264,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     peak_activation_bytes the predicted activation peak. sliding_window (ModelConfig.kv_window(), for an engine
     whose KV manager releases the blocks behind it): a sequence holds at most its window's blocks plus a step's
     tokens (kv_blocks_per_seq), however long it grows. max_loras (0: LoRA off) adapter slots of max_lora_rank
-    are held on every adapted projection (lora_slot_bytes).
+    are held on every adapted projection (lora_slot_bytes). prefix_cache_bytes (--cache-size-gb): the free blocks
+    the prefix cache may keep cached (prefix_cache_max_blocks).
     """
     tp = tensor_parallel_size
     check_tensor_parallel(model, tp)
@@ -329,7 +332,9 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
         max_model_len_fit=(min(num_blocks * block_size, context_limit(model)) if sliding_window is None else
                            context_limit(model) if num_blocks >= seq_blocks else 0),
         max_concurrency=num_blocks * block_size / seq_tokens, kv_blocks_per_seq=seq_blocks,
-        sliding_window=sliding_window, verdict=verdict, reason=reason)
+        sliding_window=sliding_window, verdict=verdict, reason=reason,
+        prefix_cache_max_blocks=(None if prefix_cache_bytes is None else
+                                 min(num_blocks, prefix_cache_bytes // per_block)))
 
 
 # ---- helpers plan_memory is built on -------------------------------------------------------------------------

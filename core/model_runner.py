@@ -13,6 +13,7 @@ from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, 
 from vserve.core.layers.attention import AttentionMetadata
 from vserve.core.layers.rotary import longrope_offset
 from vserve.core.model_config import ModelConfig
+from vserve.core.prompt_logprobs import PromptLogprobsPlan, keep, plan_step, score
 from vserve.core.request import Request
 from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
 from vserve.core.scheduler import SchedulerOutput
@@ -48,6 +49,7 @@ class StepInputs:
     # LoRA: each token's adapter slot (-1: none; None: no row has one) and adapters to load into slots first
     lora_slots: torch.Tensor | None = None
     lora_loads: list | None = None
+    prompt_lp: PromptLogprobsPlan | None = None  # rows that score a prompt token (SamplingParams.prompt_logprobs)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -86,6 +88,8 @@ class ModelRunner:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (on the device)
         self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
+        self.prompt_scores: tuple[torch.Tensor, ...] | None = None  # the last step's prompt logprobs (device)
+        self.prompt_segments: list = []  # [(request, first position, count)] of those scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not enforce_eager:
             with startup.phase("cuda graphs"):
@@ -207,6 +211,7 @@ class ModelRunner:
             step.lora_loads = self.lora_slots.take_loads()
             if (row_slots >= 0).any():
                 step.lora_slots = t(np.ascontiguousarray(row_slots[seq_of_token]))
+        step.prompt_lp, self.prompt_segments = plan_step(reqs, starts, nums)
         if pending:  # rows are decodes, so a row index is also its token index
             assert all(nums[i] == 1 for i in pending), "only a decode's input token can be in flight"
             step.pending_rows = torch.tensor(pending, dtype=torch.long)
@@ -263,6 +268,7 @@ class ModelRunner:
         hidden = self._run_graph(ids, pos, md, lora)
         if hidden is None:
             hidden = self.model(ids, pos, md)
+        self.prompt_scores = score(self.model, hidden, step.prompt_lp) if step.prompt_lp is not None else None
         if step.sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[rows])
@@ -325,6 +331,8 @@ class ModelRunner:
         if get_tp_size() * get_pp_size() > 1:
             broadcast_object(step)  # the other ranks run the same step on their shards
         logits = self.run_step(step)
+        if self.prompt_scores is not None:
+            keep(self.prompt_segments, self.prompt_scores)
         if logits is None:
             return [], None
         sampled = self.sampler.sample(logits, reqs, bitmask(reqs) if bitmask is not None else None)

@@ -17,7 +17,8 @@ class RequestState:
     """One sequence as the front end sees it (n > 1: one per child)."""
 
     __slots__ = ("request", "detok", "token_ids", "logprobs", "cumulative_logprob", "num_sent", "text_sent",
-                 "finish_reason", "stop_reason", "first_token_time", "scheduled_time", "num_cached_tokens")
+                 "finish_reason", "stop_reason", "first_token_time", "scheduled_time", "num_cached_tokens",
+                 "prompt_logprobs")
 
     def __init__(self, request: Request, tokenizer) -> None:
         self.request = request
@@ -32,6 +33,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = None
 
     # what metrics read of a finished request
     @property
@@ -49,6 +51,8 @@ class RequestState:
     def append(self, out: CoreOutput) -> bool:
         """Add the core's token; True when a stop string ended the request here (the core must abort it)."""
         self.token_ids.append(out.token_id)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.logprobs is not None:
             self.logprobs.append(out.logprobs)
             self.cumulative_logprob += out.logprobs[out.token_id].logprob
@@ -132,7 +136,8 @@ class OutputProcessor:
         first = children[0]
         done = all(s.finish_reason is not None for s in children)
         out = RequestOutput(parent_id, first.request.prompt, first.request.prompt_token_ids,
-                            [s.completion(delta) for s in children], done, num_cached_tokens=first.num_cached_tokens)
+                            [s.completion(delta) for s in children], done, num_cached_tokens=first.num_cached_tokens,
+                            prompt_logprobs=first.prompt_logprobs)
         if done:
             self.last_finished[parent_id] = children
             del self.parents[parent_id]

@@ -57,6 +57,9 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs: (first position, device tensors) per prefill chunk, until the first output carries them
+    prompt_logprob_parts: list | None = None
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were computed (a recompute skips them)
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted by the scheduler
@@ -115,4 +118,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then its token's Logprob and the top-N
+    prompt_logprobs: list | None = None
+
+    @property
+    def text(self) -> str:
+        """The first completion's text (outputs[0].text)."""
+        return self.outputs[0].text if self.outputs else ""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
 
 from vserve.core.structured_output import StructuredOutputsParams
 
@@ -24,6 +25,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    repeat_penalty: float | None = None  # llama.cpp's name for repetition_penalty (an alias: sets it)
+    length_penalty: float = 1.0  # acts in beam search only (BeamSearchParams); here 1.0, the seeds' value
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -33,6 +36,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # The prompt's tokens' logprobs (top-N plus the prompt's own token), computed in the prefill pass; such a request
+    # does not read the prefix cache (a cached block has no logits to give).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Offline use clips max_tokens to what fits in --max-model-len; the server refuses instead (400).
@@ -44,6 +50,16 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        if self.repeat_penalty is not None:
+            if self.repetition_penalty not in (1.0, self.repeat_penalty):
+                raise ValueError(f"repeat_penalty is llama.cpp's name for repetition_penalty: give one, got "
+                                 f"repeat_penalty={self.repeat_penalty!r}, "
+                                 f"repetition_penalty={self.repetition_penalty!r}")
+            self.repetition_penalty, self.repeat_penalty = self.repeat_penalty, None
+        if self.length_penalty != 1.0:
+            raise ValueError(f"length_penalty acts in beam search: LLM.beam_search(prompts, BeamSearchParams("
+                             f"beam_width=4, max_tokens=..., length_penalty={self.length_penalty!r})); sampling "
+                             f"takes only 1.0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -89,6 +105,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", ">= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", ">= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -117,3 +136,24 @@ class SamplingParams:
             out = [t for t in ids if t >= vocab_size]
             if out:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {out[:5]}")
+
+
+def _refuse_engine_args(init):
+    """An engine argument given to SamplingParams (a seed's `SamplingParams(max_num_seqs=16)`) is a ValueError that
+    says where it belongs, not a TypeError."""
+    from vserve.core.config import EngineConfig  # a plain dataclass: no torch
+
+    engine_names = {f.name for f in fields(EngineConfig)} - {f.name for f in fields(SamplingParams)} - {"sources"}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        misplaced = [k for k in kwargs if k in engine_names]
+        if misplaced:
+            k = misplaced[0]
+            raise ValueError(f"{k} is an engine argument: LLM(..., {k}={kwargs[k]!r})")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_engine_args(SamplingParams.__init__)

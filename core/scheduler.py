@@ -28,13 +28,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.lora = None  # the engine's LoRASlots when LoRA is on: a request runs only with its adapter in a slot
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens  # one request's prefill per step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -60,7 +62,7 @@ class Scheduler:
                                     or req.num_tokens + req.num_pending >= self.max_model_len):
                 i += 1
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, self.max_chunk)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -89,6 +91,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
+            num_new = min(num_new, self.max_chunk)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()

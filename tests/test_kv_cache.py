@@ -215,10 +215,12 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     NUM_BLOCKS = 12
     ENABLE_CACHING = True
+    MAX_CACHED_FREE = None  # --cache-size-gb's cap, in blocks
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, self.ENABLE_CACHING)
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, self.ENABLE_CACHING,
+                                 max_cached_free_blocks=self.MAX_CACHED_FREE)
         self.running: dict[str, Request] = {}  # holds blocks
         self.preempted: dict[str, Request] = {}  # holds none; resumes through the prefix cache
         self.ids = itertools.count()
@@ -321,6 +323,15 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.kv.pool.cached == {}
 
     @invariant()
+    def free_cached_blocks_stay_within_the_cap(self):
+        pool = self.kv.pool
+        if self.MAX_CACHED_FREE is None:
+            assert pool.cached_free == {}
+            return
+        free_hashed = {b.block_id for b in pool.free_queue if b.block_hash is not None}
+        assert set(pool.cached_free) == free_hashed and len(free_hashed) <= self.MAX_CACHED_FREE
+
+    @invariant()
     def tables_cover_exactly_the_computed_tokens(self):
         for rid, req in self.running.items():
             assert len(self.kv.req_to_blocks[rid]) == -(-req.num_computed_tokens // BS)
@@ -349,11 +360,17 @@ class KVCacheMachineNoCaching(KVCacheMachine):
     ENABLE_CACHING = False
 
 
+class KVCacheMachineCappedCache(KVCacheMachine):
+    MAX_CACHED_FREE = 2
+
+
 _SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVCacheManagerInvariants = KVCacheMachine.TestCase
 TestKVCacheManagerInvariants.settings = _SETTINGS
 TestKVCacheManagerInvariantsWithoutCaching = KVCacheMachineNoCaching.TestCase
 TestKVCacheManagerInvariantsWithoutCaching.settings = _SETTINGS
+TestKVCacheManagerInvariantsWithCappedCache = KVCacheMachineCappedCache.TestCase
+TestKVCacheManagerInvariantsWithCappedCache.settings = _SETTINGS
 
 
 def test_block_pool_counts_usage_from_free_blocks():

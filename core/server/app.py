@@ -61,6 +61,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # core/reasoning_parsers.py
     max_loras: int | None = None  # --max-loras when LoRA is on (metrics' lora_requests_info)
     lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    allow_special_tokens_in_content: bool = False  # else user/tool content's special-token strings are neutralised
 
 
 class BodyLimitMiddleware:
@@ -183,6 +184,7 @@ def build_app(engine: AsyncLLM | None, settings: ServerSettings, metrics: Engine
         return {"version": __version__}
 
     @app.get("/metrics")
+    @app.get("/prometheus_metrics")  # the seeds' path: the same exposition
     async def get_metrics():
         if engine is not None:
             metrics.refresh(engine.engine)

@@ -32,6 +32,8 @@ class ServeOptions:
     reasoning_parser: str | None = None
     lora_modules: tuple[str, ...] = ()  # name=path: LoRA adapters served from the start, selected by `model`
     lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allow_special_tokens_in_content: bool = False
+    task: str = "auto"  # auto | generate | embed (--task): what the model must serve
 
 
 def build_server_app(config: EngineConfig, opts: ServeOptions):
@@ -53,7 +55,12 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
     with startup.phase("resolve model"):
         config = resolve_model_files(config)  # here, so the engine process gets local paths
     embedder = engine = None
-    if config.model and _is_embedding(config.model):
+    embedding = bool(config.model) and _is_embedding(config.model)
+    if opts.task != "auto" and (opts.task == "embed") != embedding:
+        what = "an embedding model" if embedding else "a generative model (no embedding head)"
+        raise ValueError(f"--task {opts.task}: {names[0]} is {what}; serve it with --task "
+                         f"{'embed' if embedding else 'generate'} (or leave --task out)")
+    if embedding:
         from vserve.core.embedding import EmbeddingEngine
 
         embedder = EmbeddingEngine(config.model, device="cpu" if config.device == "auto" else config.device)
@@ -70,7 +77,8 @@ def build_server_app(config: EngineConfig, opts: ServeOptions):
                               enable_auto_tool_choice=opts.enable_auto_tool_choice,
                               tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser,
                               max_loras=config.max_loras if config.enable_lora else None,
-                              lora_runtime_updating=opts.lora_runtime_updating)
+                              lora_runtime_updating=opts.lora_runtime_updating,
+                              allow_special_tokens_in_content=opts.allow_special_tokens_in_content)
     app = build_app(engine, settings, embedder=embedder)
     if engine is not None:
         metrics = app.state.metrics

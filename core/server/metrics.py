@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under `vserve:`, labelled by model_name, and the periodic log line."""
+"""Prometheus metrics with vLLM's names under `vserve:`, labelled by model_name, and the periodic log line; beside
+them the names the seeds use (`vserve:num_requests`, `vserve:cache_hit_rate`, ...; `seed_values`), which
+`LLM.get_metrics()` also gives offline."""
 
 from __future__ import annotations
 
@@ -8,6 +10,59 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vserve.core.request import RequestOutput
+
+# The seeds' gauge names (seed 001: /metrics; seed 003: LLM.get_metrics()), what each reads, and its help.
+SEED_GAUGES = {
+    "num_requests": "Requests in the engine (running + waiting).",
+    "running_requests": "Requests in the running batch (vserve:num_requests_running).",
+    "num_generation_tokens": "Tokens generated so far (vserve:generation_tokens_total).",
+    "decode_tokens": "Tokens generated so far (decode steps' tokens).",
+    "prefill_tokens": "Prompt tokens computed so far (prefix cache hits excluded).",
+    "cache_hit_rate": "Prefix cache hits / queries, in tokens, since start (0-1).",
+    "block_utilization": "Fraction of KV cache blocks in use (vserve:kv_cache_usage_perc).",
+    "gpu_utilization": "The GPU's busy fraction over NVML's last sample period (0-1); 0 without an NVIDIA GPU.",
+    "memory_utilization": "Device memory in use / total (0-1): the GPU's through NVML, else the host's RAM.",
+}
+
+
+def device_utilization() -> tuple[float, float]:
+    """(gpu_utilization, memory_utilization) of GPU 0 through NVML (no CUDA context is made), else (0.0, the host's
+    used RAM fraction)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0, mem.used / mem.total
+    except Exception:  # no driver, no GPU, no library: a CPU host
+        pass
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0])
+        return 0.0, 1.0 - info["MemAvailable"] / info["MemTotal"]
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return 0.0, 0.0
+
+
+def seed_values(engine) -> dict[str, float]:
+    """The seeds' gauges of an engine (LLMEngine or the server's EngineView): SEED_GAUGES' names -> values."""
+    s = engine.stats()
+    gpu, mem = device_utilization()
+    return {
+        "num_requests": float(s.num_running + s.num_waiting),
+        "running_requests": float(s.num_running),
+        "num_generation_tokens": float(engine.num_generated_tokens),
+        "decode_tokens": float(engine.num_generated_tokens),
+        "prefill_tokens": float(engine.num_computed_prompt_tokens),
+        "cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        "block_utilization": float(s.kv_cache_usage),
+        "gpu_utilization": gpu,
+        "memory_utilization": mem,
+    }
 
 log = logging.getLogger("vserve.metrics")
 
@@ -55,6 +110,7 @@ class EngineMetrics:
             "vserve:lora_requests_info", "Running and waiting LoRA adapters (comma-separated); the value is when "
             "this was last set.", ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self._lora_seen: tuple | None = None
+        self.seed_gauges = {name: g(name, doc) for name, doc in SEED_GAUGES.items()}
         self._log_mark = (time.monotonic(), 0, 0)
 
     def on_step(self, engine, step_tokens: int, _seconds: float) -> None:
@@ -117,10 +173,12 @@ class EngineMetrics:
                 f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {100 * hit:.1f}%")
 
     def refresh(self, engine) -> None:
-        """Read the gauges fresh (for /metrics while idle)."""
+        """Read the gauges fresh (for /metrics while idle); the seeds' gauges are read only here."""
         s = engine.stats()
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
         self._grammars(engine)
         self._set_lora(s)
+        for name, value in seed_values(engine).items():
+            self.seed_gauges[name].set(value)

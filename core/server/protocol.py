@@ -189,11 +189,17 @@ PromptType = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0: with echo, score the prompt only
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
+    # vLLM's field: each choice's "prompt_logprobs", {token id: {logprob, rank, decoded_token}} per prompt token
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's beam search fields: the beam width is best_of (else n); the best n sequences are returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Request
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vserve.core.async_engine import AsyncLLM, EngineDeadError
 from vserve.core.request import CompletionOutput, RequestOutput
+from vserve.core.sanitize import sanitize_input
 from vserve.core.server.chat_output import ChatOutputParser
 from vserve.core.server.protocol import (
     ChatCompletionRequest,
@@ -23,6 +25,8 @@ from vserve.core.server.protocol import (
     usage,
 )
 
+UNTRUSTED_ROLES = ("user", "tool")  # their content is neutralised unless --allow-special-tokens-in-content
+
 
 def render_chat(engine, conversation: list[dict], settings, add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
@@ -31,6 +35,9 @@ def render_chat(engine, conversation: list[dict], settings, add_generation_promp
     template = settings.chat_template
     if template is None and not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template; start the server with --chat-template FILE")
+    if not getattr(settings, "allow_special_tokens_in_content", False):  # untrusted roles cannot inject turns
+        conversation = [{**m, "content": sanitize_input(tok, m["content"])} if m["role"] in UNTRUSTED_ROLES else m
+                        for m in conversation]
     try:
         return tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt, tools=tools,
@@ -98,23 +105,54 @@ def _token_text(tokenizer, token_id: int) -> str:
 
 
 # ---- completions ---------------------------------------------------------------------------------------------
-def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
+def _legacy_logprobs(tokenizer, token_ids: list[int], entries, n_top: int, offset: int) -> dict:
+    """The legacy completions format of tokens and their logprob dicts; an entry None (a prompt's first token) has
+    a null logprob and null top_logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     pos = offset
-    for tok_id, entry in zip(comp.token_ids, comp.logprobs or []):
+    for tok_id, entry in zip(token_ids, entries):
         text = _token_text(tokenizer, tok_id)
         tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
         token_lps.append(entry[tok_id].logprob)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[: max(n_top, 0)]
         tops.append({_token_text(tokenizer, t): lp.logprob for t, lp in ranked} if n_top else None)
-        offsets.append(pos)
-        pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(tokenizer, out: RequestOutput, n_top: int) -> list:
+    """vLLM's prompt_logprobs field: None for the first token, then {token id: {logprob, rank, decoded_token}} of the
+    prompt's token and the top n_top."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_text(tokenizer, t)}
+             for t, lp in entry.items() if t == tok or lp.rank <= n_top}
+            for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
+
+
+def _completion_logprobs(tokenizer, comp: CompletionOutput, n_top: int, offset: int) -> dict:
+    return _legacy_logprobs(tokenizer, comp.token_ids, comp.logprobs or [], n_top, offset)
+
+
+def _echo_logprobs(tokenizer, out: RequestOutput, comp: CompletionOutput, n_top: int) -> dict:
+    """echo with logprobs: the prompt's tokens (the first with null logprobs) then the completion's, as OpenAI's
+    legacy completions and vLLM give them (what evaluation harnesses score)."""
+    lp = _legacy_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, n_top, 0)
+    rest = _completion_logprobs(tokenizer, comp, n_top, sum(map(len, lp["tokens"])))
+    return {k: lp[k] + rest[k] for k in lp}
 
 
 async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Request, settings, lora=None):
     if body.suffix is not None:
         raise ValueError("suffix is not supported")
+    if body.use_beam_search:
+        from vserve.core.server.beam_search import create_beam_search_completion
+
+        return await create_beam_search_completion(engine, body, raw, settings)
     best_of = body.best_of or body.n
     if best_of < body.n:
         raise ValueError(f"best_of must be >= n, got best_of={best_of}, n={body.n}")
@@ -122,7 +160,15 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         raise ValueError("best_of cannot be used with stream")
     prompts = body.prompts()
     want_lp = body.logprobs is not None or best_of > body.n
-    sp = body.sampling_params(body.max_tokens, (body.logprobs or 0) if want_lp else None, n=best_of)
+    score_only = body.max_tokens == 0  # the prompt's logprobs only: one token is generated and not shown
+    if score_only and not body.echo:
+        raise ValueError("max_tokens 0 needs echo=true (it returns the prompt and, with logprobs, its logprobs)")
+    if score_only and body.stream:
+        raise ValueError("max_tokens 0 cannot be used with stream")
+    sp = body.sampling_params(1 if score_only else body.max_tokens, (body.logprobs or 0) if want_lp else None,
+                              n=best_of)
+    if body.echo and body.logprobs is not None or body.prompt_logprobs is not None:
+        sp = replace(sp, prompt_logprobs=max(body.logprobs or 0 if body.echo else 0, body.prompt_logprobs or 0))
     base_id = random_id("cmpl")
     created, model = now(), settings.served_model_name if lora is None else lora.lora_name
     gens = []
@@ -149,6 +195,8 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         n_prompt += len(out.prompt_token_ids)
         n_cached += out.num_cached_tokens
         comps = out.outputs
+        if score_only:
+            comps = [CompletionOutput(c.index, "", [], 0.0, [], "length") for c in comps]
         n_completion += sum(len(c.token_ids) for c in comps)
         if best_of > body.n:
             comps = sorted(comps, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)[: body.n]
@@ -159,9 +207,13 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
         for j, comp in enumerate(comps):
             lp = None
             if body.logprobs is not None:
-                lp = _completion_logprobs(tokenizer, comp, body.logprobs, len(prefix))
-            choices.append({"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
-                            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+                lp = (_echo_logprobs(tokenizer, out, comp, body.logprobs) if body.echo else
+                      _completion_logprobs(tokenizer, comp, body.logprobs, 0))
+            choice = {"index": pi * body.n + j, "text": prefix + comp.text, "logprobs": lp,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, out, body.prompt_logprobs)
+            choices.append(choice)
     return {"id": base_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(n_prompt, n_completion, n_cached)}
 
@@ -220,8 +272,13 @@ async def _stream_completion(engine, body: CompletionRequest, gens, base_id, cre
                     sent_text[key] = 0
                     if body.echo:
                         p = body.prompts()[pi]
-                        yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index,
-                                          p if isinstance(p, str) else tokenizer.decode(p), None, None))
+                        plp = None
+                        if body.logprobs is not None and out.prompt_logprobs is not None:
+                            plp = _legacy_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                                                   body.logprobs, 0)
+                        echoed = p if isinstance(p, str) else tokenizer.decode(p)
+                        sent_text[key] = len(echoed)
+                        yield _sse(_chunk(base_id, created, model, pi * body.n + comp.index, echoed, plp, None))
                 n_completion += len(comp.token_ids)
                 if key in held:
                     comp = held.pop(key).then(comp)
