@@ -126,6 +126,39 @@ def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_m
         StructuredOutputsParams(choice=[])
 
 
+def test_bitmask_of_many_rows_filled_on_threads_equals_one_row_at_a_time(default_model_dir):
+    """From 8 constrained rows the core fills the masks with xgrammar's batch matcher; the same words as filling
+    each row alone, rows without a grammar or with a finished one left out."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from vserve.core.structured_output import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    gc = GrammarCompiler(tok, 49152, {2})
+    mgr = StructuredOutputManager(49152)
+    mgr.set_tokenizer_info(gc.tokenizer_info_json())
+    spec = gc.compile(StructuredOutputsParams(json=PERSON))
+    prefixes = ['{"name": "Al', '{', '{"name": "Bo", "age": 4', '{"name": "", "age": 7, "color": "re', "",
+                '{"name": "x", "age": 1, "color": "red", "tags": [', '{"name": "Cy"', '{"name": "D", "age": 120']
+    states = []
+    for p in prefixes * 2:
+        st = mgr.new_state(spec, {2})
+        assert st.matcher.accept_string(p)
+        states.append(st)
+    done = mgr.new_state(spec, {2})
+    assert done.matcher.accept_string('{"name": "E", "age": 1, "color": "red", "tags": []}')
+    assert done.accept(2)  # its stop token: terminated
+    states[3:3] = [None, done]
+    mask, rows = mgr.bitmask(states)
+    assert rows == [i for i, st in enumerate(states) if st is not None and st is not done]
+    for j, i in enumerate(rows):
+        one = xgr.allocate_token_bitmask(1, 49152)
+        states[i].matcher.fill_next_token_bitmask(one, 0)
+        assert torch.equal(mask[j], one[0])
+
+
 # ---- the server -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(server_factory, tmp_path_factory):
