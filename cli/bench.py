@@ -18,6 +18,7 @@ from vserve import SamplingParams
 from vserve.cli import bench_experiment, bench_latency, bench_perplexity, bench_serve, bench_startup
 from vserve.cli.bench_datasets import DATASETS, Workload, make_workload, parse_len, random_workload  # noqa: F401
 from vserve.cli.engine_args import build_llm, engine_command
+from vserve.cli.generate import read_schema
 from vserve.ops.assets import DEFAULT_MODEL_NAME  # no torch
 from vserve.ops.progress import make_progress  # rich only, no torch
 
@@ -246,6 +247,9 @@ def throughput(
                                   "round-robin over the requests (turns on --enable-lora; --max-loras defaults to "
                                   "this)."),
     lora_rank: int = typer.Option(16, help="Rank of the --num-loras adapters."),
+    json_schema: Path = typer.Option(None, "--json-schema", help="A JSON schema the requests --sampling-fraction "
+                                     "picks must follow (structured output); a request ends when its JSON is "
+                                     "complete, so output tokens are what was generated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     *,
     engine_args: dict[str, Any],
@@ -264,6 +268,10 @@ def throughput(
     extra = {k: v for k, v in dict(repetition_penalty=repetition_penalty, logprobs=logprobs).items()
              if v is not None}
     SamplingParams(**extra)  # bad values fail here, before the model loads
+    if json_schema is not None:
+        if backend != "vserve":
+            raise ValueError("--json-schema runs vserve only (--backend vserve)")
+        extra["structured_outputs"] = read_schema(json_schema)
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     in_len, out_len = parse_len("--input-len", input_len), parse_len("--output-len", output_len)
@@ -309,7 +317,8 @@ def throughput(
                          "as vserve's do.")
     report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "dataset": dataset,
               "input_len": list(in_len), "output_len": list(out_len), "seed": seed,
-              "sampling": {**extra, "fraction": sampling_fraction} if extra else None,
+              "sampling": {**extra, "structured_outputs": str(json_schema) if json_schema else None,
+                           "fraction": sampling_fraction} if extra else None,
               "lora": {"num_loras": num_loras, "rank": lora_rank, "max_loras": engine_args["max_loras"]}
               if num_loras else None}
     if len(results) > 1:

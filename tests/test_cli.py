@@ -161,6 +161,20 @@ def test_bench_throughput_json(shared_llm):
     assert r["total_tokens_per_s"] == pytest.approx(80 / r["elapsed_s"])
 
 
+def test_bench_throughput_json_schema_on_half_the_requests(shared_llm, tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                             "required": ["n"], "additionalProperties": False}))
+    res = invoke("bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "40", "--json",
+                 "--json-schema", str(f), "--sampling-fraction", "0.5")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    # two requests generate 40 tokens; the two with the schema end with their JSON ({"n": D}, at most 16 spaces
+    # between two elements), before 40 tokens
+    assert 80 < r["output_tokens"] < 160
+    assert r["sampling"] == {"structured_outputs": str(f), "fraction": 0.5}
+
+
 def test_generate_json_schema_constrains_every_output(shared_llm, tmp_path):
     import jsonschema
 

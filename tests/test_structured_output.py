@@ -308,7 +308,8 @@ def test_metrics_count_structured_requests_and_compile_times(server, client):
 
 
 # The model does not call tools or think by itself: a regex makes it write what Qwen (hermes tool calls, <think>)
-# writes, and the parsers of the server's flags turn that into tool_calls and reasoning.
+# writes, and the parsers of the server's flags turn that into tool_calls and reasoning. (The grammar lets it spell
+# the fixed text with any tokens, single characters too: max_tokens leaves room for that.)
 HERMES = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "c"\}\}\n'
           r'</tool_call>')
 THINK = r"<think>\nwarm or cold\n</think>\n\n(hot|cold)"
@@ -316,14 +317,14 @@ THINK = r"<think>\nwarm or cold\n</think>\n\n(hot|cold)"
 
 def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(client):
     msgs = [{"role": "user", "content": "Weather in Oslo?"}]
-    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER], max_tokens=60,
+    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER], max_tokens=200,
                                        extra_body={"guided_regex": HERMES})
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "c"}
-    with client.chat.completions.stream(model="m", messages=msgs, tools=[WEATHER], max_tokens=60,
+    with client.chat.completions.stream(model="m", messages=msgs, tools=[WEATHER], max_tokens=200,
                                         extra_body={"guided_regex": HERMES}) as stream:
         final = stream.get_final_completion()
     ch = final.choices[0]
@@ -334,11 +335,11 @@ def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(client):
 
 def test_reasoning_parser_splits_thinking_plain_and_streamed(client):
     msgs = [{"role": "user", "content": "Hot or cold?"}]
-    r = _chat(client, "Hot or cold?", max_tokens=40, extra_body={"guided_regex": THINK})
+    r = _chat(client, "Hot or cold?", max_tokens=200, extra_body={"guided_regex": THINK})
     msg = r.choices[0].message
     assert msg.content in ("hot", "cold")
     assert msg.model_extra["reasoning_content"] == msg.model_extra["reasoning"] == "warm or cold"
-    stream = client.chat.completions.create(model="m", messages=msgs, max_tokens=40, stream=True,
+    stream = client.chat.completions.create(model="m", messages=msgs, max_tokens=200, stream=True,
                                             extra_body={"guided_regex": THINK})
     reasoning, content = [], []
     for chunk in stream:
