@@ -104,6 +104,26 @@ def test_choice_regex_and_grammar_offline_with_n(tiny):
     assert tok.decode(outs[1].outputs[0].token_ids) == outs[1].outputs[0].text
 
 
+def test_grammar_starts_after_the_reasoning_end_token(tiny):
+    """start_after_token_id (the server sets it to </think> with --reasoning-parser): nothing is constrained until
+    that token is sampled, then the grammar applies. A logit bias makes the random model write the token first."""
+    llm = LLM(str(tiny), dtype="float32", device="cpu", max_model_len=256)
+    end = 4000
+    so = StructuredOutputsParams(regex=r"[0-9]{4}", start_after_token_id=end)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, logit_bias={end: 100.0},
+                                                  structured_outputs=so), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == end and out.finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{4}", llm.get_tokenizer().decode(out.token_ids[1:], skip_special_tokens=True))
+    # the bias still favours the token afterwards: only the grammar keeps it out
+    assert end not in out.token_ids[1:]
+
+
+def test_beam_search_with_a_structured_output_is_400(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "use_beam_search": True,
+                                                         "n": 2, "guided_regex": "a+"}, timeout=60)
+    assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
+
+
 def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_model_dir):
     from transformers import AutoTokenizer
 
@@ -285,6 +305,8 @@ def test_streamed_tool_call_deltas_reassemble_in_the_sdk(client, tool_choice):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
     ({"structured_outputs": {"jsn": {}}}, 400, "structured_outputs.jsn"),
     ({"temprature": 0.5}, 400, "temprature"),
+    ({"tool_choice": "required", "tools": [WEATHER], "parallel_tool_calls": False, "response_format": {
+        "type": "json_object"}}, 400, "one structured output"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, 400, "nope"),
     ({"store": True, "metadata": {"k": "v"}, "max_tokens": 1}, 200, ""),  # the documented allow-list
 ])

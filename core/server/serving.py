@@ -152,6 +152,11 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
     if body.use_beam_search:
         from vserve.core.server.beam_search import create_beam_search_completion
 
+        if body.structured() is not None:
+            raise ValueError("use_beam_search cannot be used with a structured output (not supported yet)")
+        if lora is not None:
+            raise ValueError("use_beam_search cannot be used with a LoRA adapter (not supported yet)")
+
         return await create_beam_search_completion(engine, body, raw, settings)
     best_of = body.best_of or body.n
     if best_of < body.n:
