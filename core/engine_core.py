@@ -202,6 +202,8 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        if req.structured is not None:  # first: a grammar sent with a request is kept whatever fails below
+            self.structured.receive(req.structured)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.lora_id:

@@ -53,7 +53,6 @@ class InputProcessor:
                 config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, self.stop_token_ids)
-        self._grammar_info_sent = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
@@ -124,12 +123,9 @@ class InputProcessor:
                 for i in range(params.n)]
 
     def core_commands(self, children: list[Request]) -> list[tuple]:
-        """The commands that hand these requests to the core: the tokenizer's grammar info goes first, once."""
+        """The commands that hand these requests to the core (with their grammars' compiled forms where the core
+        lacks them: GrammarCompiler.core_commands)."""
         from vserve.core.engine_core import encode_request
 
-        commands = []
-        if not self._grammar_info_sent and any(r.structured is not None for r in children):
-            commands.append(("grammar_info", self.grammars.tokenizer_info_json()))
-            self._grammar_info_sent = True
-        commands.append(("add", [encode_request(r) for r in children]))
-        return commands
+        before, after = self.grammars.core_commands(children)
+        return [*before, ("add", [encode_request(r) for r in children]), *after]

@@ -14,7 +14,7 @@ import json
 import re
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,12 +77,13 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.11
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request carries to the engine core: the grammar's cache key and xgrammar's serialized compiled
-    grammar (the core deserializes each key once). think_end_id: the grammar starts after this token (a reasoning
-    model's end of thinking), or at once when None."""
+    """What a request carries to the engine core: the grammar's cache key and, with the first request of its key
+    only, xgrammar's serialized compiled grammar (up to megabytes: the core keeps it until the front end says to
+    forget it). think_end_id: the grammar starts after this token (a reasoning model's end of thinking), or at once
+    when None."""
 
     key: str
-    compiled: str
+    compiled: str | None
     think_end_id: int | None = None
 
 
@@ -101,6 +102,8 @@ class GrammarCompiler:
         self._info = None
         self._compiler = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._info_sent = False
+        self._sent: OrderedDict[str, None] = OrderedDict()  # the keys the core holds, least recently used first
         self.compile_seconds: deque[float] = deque()  # each cache miss's compile time (the metrics pop them)
         self.num_requests = 0  # requests compiled for, cache hits included
 
@@ -118,6 +121,29 @@ class GrammarCompiler:
     def tokenizer_info_json(self) -> str:
         self._ensure()
         return self._info.serialize_json()
+
+    def core_commands(self, children: list) -> tuple[list[tuple], list[tuple]]:
+        """The commands to send before and after these requests' "add": the tokenizer's info once; a grammar's
+        compiled form goes with the first request of its key (later ones carry the key only) and the core is told
+        to forget the least recently used key beyond max_cached. Called in send order, so the core holds what the
+        front end believes it holds."""
+        before: list[tuple] = []
+        after: list[tuple] = []
+        for r in children:
+            spec = r.structured
+            if spec is None:
+                continue
+            if not self._info_sent:
+                before.append(("grammar_info", self.tokenizer_info_json()))
+                self._info_sent = True
+            if spec.key in self._sent:
+                self._sent.move_to_end(spec.key)
+                r.structured = replace(spec, compiled=None)
+            else:
+                self._sent[spec.key] = None
+                if len(self._sent) > self.max_cached:
+                    after.append(("forget_grammar", self._sent.popitem(last=False)[0]))
+        return before, after
 
     def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
         key, think_end_id = params.key(), params.start_after_token_id
@@ -186,12 +212,12 @@ class GrammarState:
 
 @dataclass
 class StructuredOutputManager:
-    """The core's side: deserialized grammars by key (an LRU), a matcher per sequence, the step's bitmask."""
+    """The core's side: deserialized grammars by key (those the front end sent and has not told it to forget), a
+    matcher per sequence, the step's bitmask."""
 
     vocab_size: int
-    max_cached: int = 256
     _info: Any = None
-    _grammars: OrderedDict = field(default_factory=OrderedDict)
+    _grammars: dict = field(default_factory=dict)
     _bitmask: Any = None  # a host torch.Tensor, grown as needed
     _batch: Any = None  # xgrammar's BatchGrammarMatcher: the rows' masks filled on several threads
 
@@ -200,23 +226,29 @@ class StructuredOutputManager:
 
         self._info = xgr.TokenizerInfo.deserialize_json(info_json)
 
-    def new_state(self, spec: GrammarSpec, stop_token_ids: set[int]) -> GrammarState:
+    def receive(self, spec: GrammarSpec) -> None:
+        """Keep the compiled grammar the first request of a key carries."""
         import xgrammar as xgr
 
         if self._info is None:
             raise RuntimeError("a structured request reached the core before the tokenizer's grammar info")
+        if spec.compiled is not None:
+            self._grammars[spec.key] = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._info)
+
+    def new_state(self, spec: GrammarSpec, stop_token_ids: set[int]) -> GrammarState:
+        import xgrammar as xgr
+
         grammar = self._grammars.get(spec.key)
         if grammar is None:
-            grammar = self._grammars[spec.key] = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._info)
-            if len(self._grammars) > self.max_cached:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(spec.key)
+            raise RuntimeError(f"the core holds no compiled grammar for key {spec.key[:80]!r}")
         # the request's own stop tokens end the grammar (ignore_eos: none, so the grammar ends without one)
         stops = sorted(stop_token_ids)
         matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops or None,
                                      terminate_without_stop_token=not stops)
         return GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None)
+
+    def forget(self, key: str) -> None:
+        self._grammars.pop(key, None)
 
     def bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask of the rows whose grammar is active (host int32, one row each) and their row

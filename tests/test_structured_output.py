@@ -124,6 +124,42 @@ def test_beam_search_with_a_structured_output_is_400(server):
     assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
 
 
+def test_the_core_gets_each_compiled_grammar_once_and_forgets_what_the_front_end_drops(default_model_dir):
+    """Only the first request of a key carries its compiled grammar (megabytes for a long string's minLength); the
+    front end tells the core to forget its least recently used key beyond max_cached; replaying the commands in order,
+    the core has every grammar a request needs."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from vserve.core.structured_output import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    gc = GrammarCompiler(tok, 49152, {2}, max_cached=2)
+    mgr = StructuredOutputManager(49152)
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+    sent = []
+    for params in (a, a, b, a, c, b, a):
+        req = SimpleNamespace(structured=gc.compile(params))
+        before, after = gc.core_commands([req])
+        sent.append((before, req.structured, after))
+        for kind, arg in before:
+            assert kind == "grammar_info"
+            mgr.set_tokenizer_info(arg)
+        mgr.receive(req.structured)
+        st = mgr.new_state(req.structured, {2})
+        assert st.matcher.accept_string(params.regex[0] * 3)
+        for kind, arg in after:
+            assert kind == "forget_grammar"
+            mgr.forget(arg)
+    assert [bool(b) for b, _, _ in sent] == [True] + [False] * 6  # the tokenizer's info once
+    assert [spec.compiled is not None for _, spec, _ in sent] == [True, False, True, False, True, True, True]
+    # c evicts b (a was used after b); then b comes back and evicts a, which comes back and evicts c
+    assert [after for _, _, after in sent] == [[], [], [], [], [("forget_grammar", b.key())], [
+        ("forget_grammar", a.key())], [("forget_grammar", c.key())]]
+    assert set(mgr._grammars) == {a.key(), b.key()}
+
+
 def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_model_dir):
     from transformers import AutoTokenizer
 
@@ -160,6 +196,7 @@ def test_bitmask_of_many_rows_filled_on_threads_equals_one_row_at_a_time(default
     mgr = StructuredOutputManager(49152)
     mgr.set_tokenizer_info(gc.tokenizer_info_json())
     spec = gc.compile(StructuredOutputsParams(json=PERSON))
+    mgr.receive(spec)
     prefixes = ['{"name": "Al', '{', '{"name": "Bo", "age": 4', '{"name": "", "age": 7, "color": "re', "",
                 '{"name": "x", "age": 1, "color": "red", "tags": [', '{"name": "Cy"', '{"name": "D", "age": 120']
     states = []
