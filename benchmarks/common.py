@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -47,6 +48,9 @@ PHI3_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_siz
                  rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(48)],
                                "long_factor": [1.0 + 0.5 * i for i in range(48)]},
                  bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype="bfloat16")
+# The 8B body with SmolLM2's 49,152-token vocabulary and its real tokenizer (VSERVE_BENCH_TOKENIZER: a folder with its
+# tokenizer.json): the structured-output rows need a tokenizer that can spell JSON, which the synthetic one cannot
+LLAMA3_8B_SV = dict(LLAMA3_8B, vocab_size=49152, bos_token_id=1, eos_token_id=2)
 # --cpu-smoke's stand-in for every shape: the Llama layout, small enough for a CPU in float32 (hidden 128: the 4-bit
 # layouts need K a multiple of their 128-wide groups)
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -78,11 +82,17 @@ def write_tokenizer(folder: Path, cfg: dict) -> None:
                             eos_token=eos).save_pretrained(folder)
 
 
-def model_folder(cfg: dict) -> str:
-    """A temporary model folder: config.json (cfg) and the synthetic tokenizer."""
+def model_folder(cfg: dict, tokenizer_dir: str | None = None) -> str:
+    """A temporary model folder: config.json (cfg) and the synthetic tokenizer, or a real tokenizer's files copied
+    from tokenizer_dir (its vocabulary must be cfg's)."""
     d = Path(tempfile.mkdtemp(prefix="vserve-bench-"))
     (d / "config.json").write_text(json.dumps(cfg))
-    write_tokenizer(d, cfg)
+    if tokenizer_dir is None:
+        write_tokenizer(d, cfg)
+    else:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+                shutil.copy(f, d / f.name)
     return str(d)
 
 
