@@ -317,7 +317,7 @@ def throughput(
                          "as vserve's do.")
     report = {**results[0].as_dict(), "model": engine_args["model"] or DEFAULT_MODEL_NAME, "dataset": dataset,
               "input_len": list(in_len), "output_len": list(out_len), "seed": seed,
-              "sampling": {**extra, "structured_outputs": str(json_schema) if json_schema else None,
+              "sampling": {**extra, **({"structured_outputs": str(json_schema)} if json_schema else {}),
                            "fraction": sampling_fraction} if extra else None,
               "lora": {"num_loras": num_loras, "rank": lora_rank, "max_loras": engine_args["max_loras"]}
               if num_loras else None}

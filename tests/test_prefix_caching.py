@@ -15,9 +15,9 @@ def _run_two(llm, shared, tail_a, tail_b):
     computed = []
     orig = runner.launch
 
-    def spy(sched, block_ids):
+    def spy(sched, block_ids, *rest):
         computed.append(sched.total_tokens)
-        return orig(sched, block_ids)
+        return orig(sched, block_ids, *rest)
 
     runner.launch = spy
     try:

@@ -18,9 +18,9 @@ def test_steps_respect_token_budget_and_max_num_seqs(tiny_model):
     steps = []
     orig = engine.core.runner.launch
 
-    def spy(sched, block_ids):
+    def spy(sched, block_ids, *rest):
         steps.append((sched.total_tokens, list(sched.num_scheduled_tokens)))
-        return orig(sched, block_ids)
+        return orig(sched, block_ids, *rest)
 
     engine.core.runner.launch = spy
     while engine.has_unfinished_requests():

@@ -394,11 +394,11 @@ def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(client):
 
 def test_reasoning_parser_splits_thinking_plain_and_streamed(client):
     msgs = [{"role": "user", "content": "Hot or cold?"}]
-    r = _chat(client, "Hot or cold?", max_tokens=200, extra_body={"guided_regex": THINK})
+    r = _chat(client, "Hot or cold?", max_tokens=200, temperature=0, extra_body={"guided_regex": THINK})
     msg = r.choices[0].message
     assert msg.content in ("hot", "cold")
     assert msg.model_extra["reasoning_content"] == msg.model_extra["reasoning"] == "warm or cold"
-    stream = client.chat.completions.create(model="m", messages=msgs, max_tokens=200, stream=True,
+    stream = client.chat.completions.create(model="m", messages=msgs, max_tokens=200, stream=True, temperature=0,
                                             extra_body={"guided_regex": THINK})
     reasoning, content = [], []
     for chunk in stream:
