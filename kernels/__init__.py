@@ -25,9 +25,9 @@ def _reference() -> SimpleNamespace:
 
 @cache
 def _triton() -> SimpleNamespace:
-    from vserve.kernels import scaled_mm, triton_attention, triton_moe, triton_ops, triton_sampling, triton_w4a16
+    from vserve.kernels import scaled_mm, triton_attention, triton_fused_moe, triton_ops, triton_sampling, triton_w4a16
 
-    mods = (triton_attention, triton_ops, triton_moe, triton_w4a16, scaled_mm, triton_sampling)
+    mods = (triton_attention, triton_ops, triton_fused_moe, triton_w4a16, scaled_mm, triton_sampling)
     return SimpleNamespace(**{n: next(getattr(m, n) for m in mods if hasattr(m, n)) for n in _NAMES})
 
 
