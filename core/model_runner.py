@@ -89,7 +89,8 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)  # this TP rank's KV heads
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device) if getattr(
+                attn, "latent_cache", False) else torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # MLA
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------

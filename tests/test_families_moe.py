@@ -13,6 +13,12 @@ from test_families import ENGINE_SETTINGS, NEW_TOKENS, PROMPT_LENS, TINY, build_
 from vserve import LLM, SamplingParams
 
 _MOE = dict(moe_intermediate_size=32, num_hidden_layers=3)
+# MLA: latent 32, RoPE 8 + no-RoPE 16 dims per head, values 24; KV heads = heads (HF expands the latent per head);
+# yarn past 64 positions (the prompts run to 130)
+_MLA = dict(_MOE, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+            n_routed_experts=8, first_k_dense_replace=1)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+             beta_slow=1)
 # name -> (transformers config class, overrides): each family's structural switches
 FAMILIES = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)),
@@ -26,7 +32,38 @@ FAMILIES = {
                                                    norm_topk_prob=True)),
     "qwen3moe-top8-qknorm": ("Qwen3MoeConfig", dict(_MOE, num_experts=16, num_experts_per_tok=8, head_dim=32,
                                                     norm_topk_prob=True)),
+    # no q LoRA, greedy softmax top-2 over 8 experts + 2 shared, yarn whose mscales cancel in the RoPE table
+    "deepseek-v2-qnone-yarn": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, num_experts_per_tok=2,
+                                                        n_shared_experts=2, topk_method="greedy",
+                                                        rope_parameters=dict(_YARN, mscale=0.707,
+                                                                             mscale_all_dim=0.707))),
+    # q LoRA, group_limited_greedy (4 groups, best 2 eligible), routed_scaling_factor
+    "deepseek-v2-qlora-grouped": ("DeepseekV2Config", dict(_MLA, q_lora_rank=24, num_experts_per_tok=3,
+                                                           n_shared_experts=1, topk_method="group_limited_greedy",
+                                                           n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    # sigmoid scores + e_score_correction_bias (randomized), top-2-sum groups, renormalized, scaled by 2.5; yarn
+    # with mscale != mscale_all_dim (RoPE table and softmax scale both scaled)
+    "deepseek-v3-sigmoid-bias": ("DeepseekV3Config", dict(_MLA, q_lora_rank=24, num_experts_per_tok=3,
+                                                          n_shared_experts=1, n_group=4, topk_group=2,
+                                                          norm_topk_prob=True, routed_scaling_factor=2.5,
+                                                          rope_parameters=dict(_YARN, mscale=1.0,
+                                                                               mscale_all_dim=0.8))),
 }
+
+
+def build(folder, cls_name, overrides, seed, tokenizer_dir):
+    """build_tiny, then V3's e_score_correction_bias (zeros from HF's init: they would hide a wrong use) drawn."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build_tiny(folder, cls_name, overrides, seed, tokenizer_dir)
+    if cls_name == "DeepseekV3Config":
+        tensors = load_file(folder / "model.safetensors")
+        g = torch.Generator().manual_seed(seed)
+        for name in tensors:
+            if name.endswith("e_score_correction_bias"):
+                tensors[name] = torch.rand(tensors[name].shape, generator=g) * 0.5
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +75,7 @@ def references(tmp_path_factory, default_model_dir):
             seed = int.from_bytes(os.urandom(4), "little")
             cls_name, overrides = FAMILIES[family]
             folder = tmp_path_factory.mktemp(family)
-            build_tiny(folder, cls_name, overrides, seed, default_model_dir)
+            build(folder, cls_name, overrides, seed, default_model_dir)
             rng = random.Random(seed)
             prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
             cache[family] = (folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS), seed)
@@ -62,14 +99,14 @@ def test_greedy_matches_hf(references, family, setting):
         assert stats.num_preemptions > 0, "the setting was meant to force preemption"
 
 
-TP_CASES = {"qwen2moe-shared-mlponly": FAMILIES["qwen2moe-shared-mlponly"]}
+TP_CASES = {name: FAMILIES[name] for name in ("qwen2moe-shared-mlponly", "deepseek-v3-sigmoid-bias")}
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
     seed = int.from_bytes(os.urandom(4), "little")
     cls_name, overrides = TP_CASES[case]
-    build_tiny(tmp_path, cls_name, overrides, seed, default_model_dir)
+    build(tmp_path, cls_name, overrides, seed, default_model_dir)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (7, 40)]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2,

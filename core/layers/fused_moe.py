@@ -55,6 +55,31 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return weights, ids
 
 
+def grouped_top_k(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", num_group: int = 1,
+                  topk_group: int = 1, group_score: str = "max", correction_bias: torch.Tensor | None = None,
+                  renormalize: bool = False, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing as HF's routers (fp32): scores = softmax (V2) or sigmoid (V3) of the logits; the experts
+    in num_group groups, only the topk_group best groups eligible (a group's score: its best expert's, "max", V2's
+    group_limited_greedy, or its two best summed with the correction bias, "top2", V3); the top-k eligible experts by
+    score (+ correction_bias: V3's e_score_correction_bias, which picks but does not weigh), their scores as weights,
+    renormalized or not, times routed_scaling_factor."""
+    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, num_group, E // num_group)
+        group_scores = grouped.max(-1).values if group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0).bool()
+        # V2 zeroes the other groups' scores, V3 sets them to -inf (the same choice unless scores tie at 0)
+        choice = choice.masked_fill(~keep[:, :, None].expand(-1, -1, E // num_group).reshape(T, E),
+                                    0.0 if group_score == "max" else float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 class SparseMoeBlock(nn.Module):
     """Mixtral's block_sparse_moe (Qwen-MoE's mlp): gate (router) and experts; renormalize: the top-k weights sum
     to 1 (Mixtral; Qwen-MoE's norm_topk_prob)."""
