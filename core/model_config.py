@@ -182,4 +182,6 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.raw.get("kv_lora_rank"):  # MLA: the compressed latent (core/memory.py kv_bytes_per_token)
+            return self.num_hidden_layers * (self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]) * dtype_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes

@@ -80,7 +80,8 @@ class ModelRunner:
         self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (on the device)
         self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not enforce_eager:
+        # MLA's attention (torch references, host syncs) runs eagerly: the model says so (cuda_graphs = False)
+        if device.type == "cuda" and not enforce_eager and getattr(model, "cuda_graphs", True):
             with startup.phase("cuda graphs"):
                 self.capture_graphs(graph_batch_sizes(max_num_seqs))
 

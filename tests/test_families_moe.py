@@ -116,3 +116,80 @@ def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tmp_path, prompts, 16), f"model seed {seed}"
+
+
+MOE_SHAPES = ["mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", MOE_SHAPES)
+def test_planned_parameters_are_the_built_models(name):
+    """A few layers of the published shape (DeepSeek-V3: 4, past its 3 dense ones), built on the meta device: the
+    planner counts MLA's projections and norms, dense layers, shared experts, routers and V3's correction bias."""
+    import torch
+
+    from vserve.core.memory import num_params
+    from vserve.core.model_config import ModelConfig
+    from vserve.core.models import get_model_class
+    from vserve.ops.model_shapes import KNOWN_SHAPES
+
+    m = ModelConfig.from_dict({**KNOWN_SHAPES[name], "num_hidden_layers": 4 if name == "deepseek-v3" else 2,
+                               "vocab_size": 1000})
+    with torch.device("meta"):
+        model = get_model_class(m)(m)
+    assert sum(p.numel() for p in model.parameters()) == num_params(m)
+
+
+@pytest.mark.parametrize("name,billions", [("mixtral-8x7b", 46.7), ("qwen1.5-moe-a2.7b", 14.3),
+                                           ("qwen3-30b-a3b", 30.5), ("deepseek-v2-lite", 15.7), ("deepseek-v3", 671)])
+def test_published_sizes(name, billions):
+    from vserve.core.memory import num_params
+    from vserve.ops.model_shapes import known_shape
+
+    assert num_params(known_shape(name)) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_doctor_plans_the_latent_kv_cache_of_a_deepseek_v2_lite_folder(tmp_path, monkeypatch):
+    """`vserve doctor FOLDER --json` on DeepSeek-V2-Lite's config.json: KV bytes per token = layers x (kv_lora_rank
+    + rope dim) x 2 bytes (27 x 576 x 2 = 31,104), not 2 x layers x heads x head dim; the blocks follow from it."""
+    import json
+
+    from test_doctor import HEALTHY, runner
+
+    from vserve.cli.main import app
+    from vserve.ops import probe
+    from vserve.ops.model_shapes import KNOWN_SHAPES
+
+    cfg = KNOWN_SHAPES["deepseek-v2-lite"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(probe, "probe_environment", lambda: HEALTHY)
+    res = runner.invoke(app, ["doctor", str(tmp_path), "--max-model-len", "32768", "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)["plan"]
+    per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+    assert per_token == 31104 and plan["kv_bytes_per_token"] == per_token
+    assert plan["kv_bytes_per_block"] == per_token * plan["block_size"]
+    assert plan["kv_cache_bytes"] == plan["num_blocks"] * plan["kv_bytes_per_block"]
+    res = runner.invoke(app, ["doctor", str(tmp_path), "--max-model-len", "32768"], env={"COLUMNS": "200"})
+    assert "30.375 KiB/token" in res.stdout  # the memory-plan check line
+
+
+def test_the_kv_cache_holds_the_latent_only(references):
+    """Each MLA layer's cache is [blocks, block size, 1, kv_lora_rank + rope dim], no value cache; the engine's cache
+    bytes per token are the planner's."""
+    import json
+
+    from vserve.core.memory import kv_bytes_per_token
+    from vserve.core.model_config import ModelConfig
+
+    folder = references("deepseek-v2-qlora-grouped")[0]
+    raw = json.loads((folder / "config.json").read_text())
+    llm = LLM(str(folder), dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=16, num_kv_blocks=8,
+              max_model_len=128)
+    runner = llm.llm_engine.core.runner
+    layers = runner.model.attention_layers()
+    assert len(layers) == raw["num_hidden_layers"]
+    for attn in layers:
+        assert tuple(attn.k_cache.shape) == (8, 16, 1, raw["kv_lora_rank"] + raw["qk_rope_head_dim"])
+        assert attn.v_cache.numel() == 0
+    per_token = sum(a.k_cache[0, 0].numel() * a.k_cache.element_size() for a in layers)
+    assert per_token == kv_bytes_per_token(ModelConfig.from_dict(raw), 4)

@@ -168,6 +168,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
+    cuda_graphs = False  # kernels/mla_ref.py syncs with the host (no Triton MLA kernel yet): decode runs eagerly
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None) -> None:
