@@ -141,3 +141,29 @@ def test_mixtral_greedy_tokens_match_hf_under_tp2_and_pp2(tiny_mixtral, hf_greed
         finally:
             llm.llm_engine.shutdown()
         assert [o.outputs[0].token_ids for o in outs] == expected, f"tp={tp} pp={pp}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_mla_store_and_decode_match_their_references(dtype, seed):
+    """The latent store and the absorbed decode through the paged-attention kernels (kernels/triton_mla.py) against
+    kernels/mla_ref.py: random block tables, context lengths from 1 to several partitions, a padding slot (-1)."""
+    from vserve.kernels import mla_ref, triton_mla
+
+    B, H, nope, rope, v, r, bs, blocks = 3, 4, 16, 16, 24, 32, 16, 64
+    cache = torch.zeros(blocks, bs, 1, r + rope, dtype=dtype, device=DEVICE)
+    ref_cache = cache.clone()
+    ctx = torch.tensor([1, 37, 300], device=DEVICE)
+    bt = torch.randperm(blocks, device=DEVICE)[:3 * 19].view(3, 19)
+    slots = torch.randperm(blocks * bs, device=DEVICE)[:40]
+    slots[5] = -1
+    latent, k_pe = torch.randn(40, r, device=DEVICE).to(dtype), torch.randn(40, rope, device=DEVICE).to(dtype)
+    triton_mla.store_latent(latent, k_pe, cache, slots)
+    mla_ref.store_latent_ref(latent, k_pe, ref_cache, slots)
+    assert torch.equal(cache, ref_cache), f"seed {seed}"
+    cache.normal_()  # every row attended to holds data
+    cache = cache.to(dtype)
+    w_kv = (torch.randn(H, nope + v, r, device=DEVICE) / r ** 0.5).to(dtype)
+    q_nope, q_pe = torch.randn(B, H, nope, device=DEVICE).to(dtype), torch.randn(B, H, rope, device=DEVICE).to(dtype)
+    got = triton_mla.mla_decode_attention(q_nope, q_pe, cache, bt, ctx, w_kv, 0.2)
+    want = mla_ref.mla_decode_attention_ref(q_nope.float(), q_pe.float(), cache.float(), bt, ctx, w_kv.float(), 0.2)
+    torch.testing.assert_close(got, want.to(dtype), **TOL[dtype], msg=lambda m: f"{m}\n(seed {seed})")

@@ -25,7 +25,7 @@ from vserve.core.layers.quantization import QuantConfig
 from vserve.core.layers.rotary import RotaryEmbedding, yarn_get_mscale
 from vserve.core.model_config import ModelConfig
 from vserve.core.models.base import CausalLM, DecoderModel
-from vserve.kernels.mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref, store_latent_ref
+from vserve.kernels import for_device
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (HF builds them with the default eps, not rms_norm_eps)
 
@@ -45,16 +45,17 @@ class LatentAttention(nn.Module):
 
     def forward(self, q_nope, q_pe, latent, k_pe, w_kv, md: AttentionMetadata) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope], latent [T, r], k_pe [T, rope], w_kv [H, nope + v, r] -> [T, H, v]."""
-        store_latent_ref(latent, k_pe, self.k_cache, md.slot_mapping)
+        ops = for_device(q_nope)
+        ops.store_latent(latent, k_pe, self.k_cache, md.slot_mapping)
         nd, T = md.num_decodes, q_nope.shape[0]
         if nd == T:
-            return mla_decode_attention_ref(q_nope, q_pe, self.k_cache, md.block_tables, md.context_lens, w_kv,
+            return ops.mla_decode_attention(q_nope, q_pe, self.k_cache, md.block_tables, md.context_lens, w_kv,
                                             self.scale)
         out = q_nope.new_empty(T, q_nope.shape[1], w_kv.shape[1] - q_nope.shape[2])
         if nd:
-            out[:nd] = mla_decode_attention_ref(q_nope[:nd], q_pe[:nd], self.k_cache, md.block_tables[:nd],
+            out[:nd] = ops.mla_decode_attention(q_nope[:nd], q_pe[:nd], self.k_cache, md.block_tables[:nd],
                                                 md.context_lens[:nd], w_kv, self.scale)
-        out[nd:] = mla_prefill_attention_ref(q_nope[nd:], q_pe[nd:], self.k_cache, md.cu_seqlens_q,
+        out[nd:] = ops.mla_prefill_attention(q_nope[nd:], q_pe[nd:], self.k_cache, md.cu_seqlens_q,
                                              md.context_lens[nd:], md.block_tables[nd:], w_kv, self.scale)
         return out
 
@@ -168,7 +169,9 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    cuda_graphs = False  # kernels/mla_ref.py syncs with the host (no Triton MLA kernel yet): decode runs eagerly
+    # decode steps run eagerly until the MLA decode path (kernels/triton_mla.py, host-sync free) has been captured in
+    # a CUDA graph on a GPU (benchmarks/kernels/mla_decode.py checks and times it)
+    cuda_graphs = False
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None) -> None:
