@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents: pure-torch references (the
-path on every device for now; no Triton MLA kernel is written yet).
+CPU path, and the oracle for kernels/triton_mla.py; prefill runs this one on the GPU too).
 
 Layout: kv_cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim], a token's row = [normed latent c | its
 rotated shared RoPE key k_pe] (one "KV head": vLLM's MLA cache). block_tables / context_lens / cu_seqlens_q as in
