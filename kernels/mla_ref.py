@@ -69,8 +69,11 @@ def mla_prefill_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache
         rows = _rows(kv_cache, block_tables[b], n).to(q.dtype)
         kv = F.linear(rows[:, :r], w_kv.flatten(0, 1)).view(n, H, -1).transpose(0, 1)  # [H, n, nope + v]
         k = torch.cat((kv[..., :nope], rows[None, :, r:].expand(H, n, -1)), dim=-1)
-        pos_q = torch.arange(n - (e - s), n, device=q.device)[:, None]
-        mask = torch.arange(n, device=q.device)[None, :] <= pos_q
-        out[s:e] = F.scaled_dot_product_attention(q[:, s:e], k, kv[..., nope:], attn_mask=mask,
-                                                  scale=scale).transpose(0, 1)
+        if e - s == n:  # the whole sequence in this chunk: plain causal (no mask tensor for SDPA's kernels)
+            o = F.scaled_dot_product_attention(q[:, s:e], k, kv[..., nope:], is_causal=True, scale=scale)
+        else:  # queries at positions n - (e - s) .. n - 1
+            pos_q = torch.arange(n - (e - s), n, device=q.device)[:, None]
+            mask = torch.arange(n, device=q.device)[None, :] <= pos_q
+            o = F.scaled_dot_product_attention(q[:, s:e], k, kv[..., nope:], attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
     return out
