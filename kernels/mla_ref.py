@@ -18,15 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vserve.kernels.paged_attention import store_kvcache_ref
+
 
 def store_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
-    """Write [latent | k_pe] ([T, r], [T, rope]) into the tokens' slots; slot -1 (padding) is skipped."""
-    valid = slot_mapping >= 0
-    rows = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)
-    if not bool(valid.all()):
-        rows, slot_mapping = rows[valid], slot_mapping[valid]
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, rows)
+    """Write [latent | k_pe] ([T, r], [T, rope]) into the tokens' slots; slot -1 (padding) is skipped; an fp8 cache
+    rounds as store_kvcache_ref does (the one cache given as both k and v: the same rows written twice)."""
+    rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)
+    store_kvcache_ref(rows, rows, kv_cache, kv_cache, slot_mapping)
 
 
 def _rows(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

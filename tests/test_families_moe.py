@@ -3,14 +3,16 @@ from fresh seeds, norm weights randomized), in one batch of 6 prompts x 40 new t
 tests/test_families.py (block sizes, prefix caching, chunked prefill with preemption); and TP=2 on gloo gives the
 same tokens for one MoE family and the MLA family."""
 
-import os
-import random
-
 import pytest
-from conftest import assert_same_tokens
-from test_families import ENGINE_SETTINGS, NEW_TOKENS, PROMPT_LENS, TINY, build_tiny, hf_greedy
+from test_families import (
+    ENGINE_SETTINGS,
+    build_tiny,
+    check_greedy,
+    check_tensor_parallel_2,
+    reference_getter,
+)
 
-from vserve import LLM, SamplingParams
+from vserve import LLM
 
 _MOE = dict(moe_intermediate_size=32, num_hidden_layers=3)
 # MLA: latent 32, RoPE 8 + no-RoPE 16 dims per head, values 24; KV heads = heads (HF expands the latent per head);
@@ -68,35 +70,13 @@ def build(folder, cls_name, overrides, seed, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, default_model_dir):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            seed = int.from_bytes(os.urandom(4), "little")
-            cls_name, overrides = FAMILIES[family]
-            folder = tmp_path_factory.mktemp(family)
-            build(folder, cls_name, overrides, seed, default_model_dir)
-            rng = random.Random(seed)
-            prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
-            cache[family] = (folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS), seed)
-        return cache[family]
-
-    return get
+    return reference_getter(tmp_path_factory, default_model_dir, FAMILIES, build)
 
 
 @pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_hf(references, family, setting):
-    folder, prompts, expected, seed = references(family)
-    block_size, caching, extra = ENGINE_SETTINGS[setting]
-    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=caching,
-              **extra)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    assert_same_tokens([o.outputs[0].token_ids for o in outs], expected, prompts, f"(model seed {seed})")
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
-    if setting == "bs16-chunked-preempt":
-        assert stats.num_preemptions > 0, "the setting was meant to force preemption"
+    check_greedy(*references(family), setting)
 
 
 TP_CASES = {name: FAMILIES[name] for name in ("qwen2moe-shared-mlponly", "deepseek-v3-sigmoid-bias")}
@@ -104,18 +84,7 @@ TP_CASES = {name: FAMILIES[name] for name in ("qwen2moe-shared-mlponly", "deepse
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
-    seed = int.from_bytes(os.urandom(4), "little")
-    cls_name, overrides = TP_CASES[case]
-    build(tmp_path, cls_name, overrides, seed, default_model_dir)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (7, 40)]
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2,
-              max_num_batched_tokens=32)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tmp_path, prompts, 16), f"model seed {seed}"
+    check_tensor_parallel_2(tmp_path, default_model_dir, *TP_CASES[case], build=build)
 
 
 MOE_SHAPES = ["mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"]

@@ -24,7 +24,7 @@ from vserve.core.layers.norm import RMSNorm
 from vserve.core.layers.quantization import QuantConfig
 from vserve.core.layers.rotary import RotaryEmbedding, yarn_get_mscale
 from vserve.core.model_config import ModelConfig
-from vserve.core.models.base import CausalLM, DecoderModel
+from vserve.core.models.base import CausalLM, DecoderModel, PreNormDecoderLayer
 from vserve.kernels import for_device
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (HF builds them with the default eps, not rms_norm_eps)
@@ -148,7 +148,7 @@ class DeepseekMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, prefix: str) -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg, layer, f"{prefix}.self_attn")
@@ -157,15 +157,6 @@ class DeepseekDecoderLayer(nn.Module):
             else DeepseekMoE(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, x, residual, md):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekV2ForCausalLM(CausalLM):

@@ -14,7 +14,7 @@ from vserve.core.layers.mlp import GatedMLP
 from vserve.core.layers.norm import RMSNorm
 from vserve.core.layers.quantization import QuantConfig
 from vserve.core.model_config import ModelConfig
-from vserve.core.models.base import CausalLM, DecoderModel
+from vserve.core.models.base import CausalLM, DecoderModel, PreNormDecoderLayer
 from vserve.core.models.llama import LlamaForCausalLM, QKVAttention, llama_rotary
 
 
@@ -51,7 +51,7 @@ class QwenMoeBlock(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-class QwenMoeDecoderLayer(nn.Module):
+class QwenMoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, quant: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         norms = dict(q_norm=RMSNorm(cfg.head_dim, cfg.rms_norm_eps),
@@ -61,15 +61,6 @@ class QwenMoeDecoderLayer(nn.Module):
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, None, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, x, residual, md):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class QwenMoeForCausalLM(CausalLM):
