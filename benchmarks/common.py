@@ -30,6 +30,18 @@ QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_
 MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
                     max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
                     bos_token_id=1, eos_token_id=2)
+# issue #26's MoE and MLA shapes: DeepSeek-V2-Lite (MLA with a 512 + 64 latent cache, 64 routed experts top-6 + 2
+# shared, the first layer dense, yarn RoPE); Mixtral-8x7B is above
+DEEPSEEK_V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+                        hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+                        num_key_value_heads=16, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+                        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+                        routed_scaling_factor=1.0, norm_topk_prob=False, hidden_act="silu",
+                        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+                        tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
 # issue #25's shapes (docs/models.md): Gemma-2-9B (head_dim 256, softcaps, alternate sliding layers) and
 # Phi-3-mini-128k (fused checkpoint tensors, LongRoPE: short factors below 4,096 positions, long factors above)
 GEMMA2_9B = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
@@ -56,6 +68,16 @@ LLAMA3_8B_SV = dict(LLAMA3_8B, vocab_size=49152, bos_token_id=1, eos_token_id=2)
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=510,
             eos_token_id=511, torch_dtype="float32")
+# their --cpu-smoke stand-ins: the same structure at TINY's size (4 experts top-2; MLA latent 32 + rope 16)
+TINY_MIXTRAL = dict(TINY, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                    num_experts_per_tok=2)
+TINY_DEEPSEEK_V2 = dict(DEEPSEEK_V2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=64, bos_token_id=510, eos_token_id=511,
+                        rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+                        torch_dtype="float32")
 CLI = [sys.executable, "-m", "vserve.cli.main"]
 os.environ.setdefault("VSERVE_NO_PROGRESS", "1")  # progress bars off here and in every process started (inherited)
 

@@ -19,6 +19,8 @@ Every row: random weights (--load-format dummy, bf16), prompts of random token i
 - serve: `vserve serve` (8B) and `vserve bench serve --max-concurrency 64`, 256 requests, prompts U[100,1024], 512 new
   tokens, streamed: TTFT, TPOT and ITL (p99 against p50).
 - hf (not run unless named): the 8B 512-token row with `--backend hf` (HF generate and generate_batch, same requests).
+- moe (not run unless named): the Mixtral-8x7B (bf16, ~93 GB: one H200) and DeepSeek-V2-Lite shapes, 256 requests
+  U[100,1024] -> 512 new tokens (issue #26); moe_hf: the same with `--backend hf-batch`.
 - families (not run unless named): the Gemma-2-9B and Phi-3-mini-128k shapes, 256 requests U[100,1024] -> 512 new
   tokens, vserve alone (`{shape}_512`) and with `--backend hf-batch` (HF generate_batch on the same requests, in the
   same run; issue #25). HF's Gemma-2-9B run alone takes more than 9 minutes on an H100.
@@ -43,20 +45,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (  # benchmarks/ is sys.path[0]
+    DEEPSEEK_V2_LITE,
     GEMMA2_9B,
     LLAMA3_8B,
     LLAMA3_8B_SV,
+    MIXTRAL_8X7B,
     PHI3_MINI,
     QWEN25_05B,
     SMOLLM2,
     TINY,
+    TINY_DEEPSEEK_V2,
+    TINY_MIXTRAL,
     cli_json,
     model_folder,
     server,
 )
 
-SHAPES = {"8b": LLAMA3_8B, "8b_sv": LLAMA3_8B_SV,
-          "qwen05b": QWEN25_05B, "smollm2": SMOLLM2, "gemma2_9b": GEMMA2_9B, "phi3_mini": PHI3_MINI}
+SHAPES = {"8b": LLAMA3_8B, "8b_sv": LLAMA3_8B_SV, "qwen05b": QWEN25_05B, "smollm2": SMOLLM2, "gemma2_9b": GEMMA2_9B,
+          "phi3_mini": PHI3_MINI, "mixtral_8x7b": MIXTRAL_8X7B, "deepseek_v2_lite": DEEPSEEK_V2_LITE}
+SMOKE_SHAPES = {"mixtral_8x7b": TINY_MIXTRAL, "deepseek_v2_lite": TINY_DEEPSEEK_V2}  # --cpu-smoke; others: TINY
 QUANT = {  # config.json's quantization_config of each method
     "bf16": None,
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
@@ -68,7 +75,7 @@ QUANT = {  # config.json's quantization_config of each method
                                                                     strategy="token", dynamic=True)}}},
 }
 SMOKE_ROWS = ("startup_serve_8b", "startup_generate_8b", "qwen05b_512", "8b_512_half_pen_lp", "quant_bs1_awq",
-              "quant_256_fp8_kv_fp8_warm", "serve_8b_c64")
+              "quant_256_fp8_kv_fp8_warm", "serve_8b_c64", "mixtral_8x7b_512", "deepseek_v2_lite_512")
 
 
 @dataclass(slots=True)
@@ -137,6 +144,10 @@ def rows(z: Sizes) -> list[Row]:
         out += [Row("families", f"{shape}_512", shape, throughput(z.num_prompts, z.input_len, z.new_tokens)),
                 Row("families", f"{shape}_512_hf_batch", shape, throughput(z.num_prompts, z.input_len, z.new_tokens,
                                                                            "--backend", "hf-batch"))]
+    for shape in ("mixtral_8x7b", "deepseek_v2_lite"):
+        out += [Row("moe", f"{shape}_512", shape, throughput(z.num_prompts, z.input_len, z.new_tokens)),
+                Row("moe_hf", f"{shape}_512_hf_batch", shape, throughput(z.num_prompts, z.input_len, z.new_tokens,
+                                                                         "--backend", "hf-batch"))]
     # structured outputs (#29): every request under a JSON schema of one free string; a request ends when the model
     # closes it (random weights: after ~100-200 tokens), so the ratio compares tokens/s of what was generated
     out += [Row("structured", "8b_sv_512", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens)),
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--groups", default="startup,throughput,quant,serve",
-                    help="comma-separated (hf, families: not by default)")
+                    help="comma-separated (hf, families, moe, moe_hf: not by default)")
     ap.add_argument("--rows", default="", help="row names, comma-separated (instead of --groups)")
     ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
                     help="SMOKE_ROWS on a tiny shape on the CPU, float32: the commands run, nothing is measured")
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in todo:
         key = (row.shape, row.quant)
         if key not in folders:
-            cfg = dict(TINY if args.cpu_smoke else SHAPES[row.shape])
+            cfg = dict(SMOKE_SHAPES.get(row.shape, TINY) if args.cpu_smoke else SHAPES[row.shape])
             if QUANT[row.quant] is not None:
                 cfg["quantization_config"] = QUANT[row.quant]
             tokenizer = None

@@ -16,7 +16,8 @@ import torch
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
-                      "starcoder2": "Starcoder2ForCausalLM"}
+                      "starcoder2": "Starcoder2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 GEMMAS = ("gemma", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
@@ -40,7 +41,19 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
 }
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+_ARCH_LAYER_NAMES["qwen2moe"] = _ARCH_LAYER_NAMES["qwen3moe"] = _MOE_NAMES
+_ARCH_LAYER_NAMES["deepseek2"] = {
+    **_MOE_NAMES, "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b": "mlp.gate.e_score_correction",
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj"}
+# stacked experts [E, ...] in the file -> one tensor per expert under HF's per-expert names
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _DEFAULTS = {  # config.json fields the GGUF metadata does not carry, as transformers' configs default them
     "gemma": {"hidden_act": "gelu_pytorch_tanh"},
     "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
@@ -109,8 +122,12 @@ def gguf_config(path: str | Path, reader=None) -> dict:
         extra["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     if arch == "starcoder2":
         extra["use_bias"] = "blk.0.attn_q.bias" in names
+    if arch in ("qwen2moe", "qwen3moe", "deepseek2"):
+        extra.update(_moe_config(arch, a, names))
+    if arch == "deepseek2":
+        extra.update(_mla_config(a, names))
     return {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [extra.pop("architecture", GGUF_ARCHITECTURES[arch])],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -128,6 +145,50 @@ def gguf_config(path: str | Path, reader=None) -> dict:
         "torch_dtype": "bfloat16",
         **extra,
     }
+
+
+def _moe_config(arch: str, a, names: set[str]) -> dict:
+    """The MoE fields; a layer without stacked experts in the file is dense (Qwen's mlp_only_layers, DeepSeek's
+    first layers). llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says."""
+    layers = a("block_count")
+    sparse = [f"blk.{i}.ffn_gate_exps.weight" in names for i in range(layers)]
+    cfg = {"num_experts_per_tok": a("expert_used_count"), "moe_intermediate_size": a("expert_feed_forward_length"),
+           "norm_topk_prob": bool(a("expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "deepseek2":
+        gating = a("expert_gating_func", 1)  # llama.cpp: 1 softmax, 2 sigmoid (V3)
+        groups = a("expert_group_count", 1) or 1
+        cfg.update(n_routed_experts=a("expert_count"), n_shared_experts=a("expert_shared_count", 0),
+                   first_k_dense_replace=a("leading_dense_block_count", 0),
+                   routed_scaling_factor=float(a("expert_weights_scale", 1.0)), n_group=groups,
+                   topk_group=a("expert_group_used_count", 1) or 1,
+                   topk_method="noaux_tc" if gating == 2 else ("group_limited_greedy" if groups > 1 else "greedy"))
+        if gating == 2:
+            cfg["architecture"] = "DeepseekV3ForCausalLM"
+        return cfg
+    cfg.update(num_experts=a("expert_count"), decoder_sparse_step=1,
+               mlp_only_layers=[i for i, s in enumerate(sparse) if not s])
+    if arch == "qwen2moe":
+        cfg.update(shared_expert_intermediate_size=a("expert_shared_feed_forward_length", 0),
+                   qkv_bias="blk.0.attn_q.bias" in names)
+    return cfg
+
+
+def _mla_config(a, names: set[str]) -> dict:
+    """DeepSeek's MLA fields. llama.cpp's key/value lengths are those of the expanded heads (key_length_mla /
+    value_length_mla where the file also has the latent's). Yarn: llama.cpp keeps 0.1 x mscale_all_dim as
+    yarn_log_multiplier and not mscale; it is taken equal to mscale_all_dim (every published DeepSeek config)."""
+    rope = a("rope.dimension_count")
+    key, value = a("attention.key_length_mla") or a("attention.key_length"), \
+        a("attention.value_length_mla") or a("attention.value_length")
+    cfg = {"kv_lora_rank": a("attention.kv_lora_rank"), "q_lora_rank": a("attention.q_lora_rank") or None,
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value, "head_dim": rope,
+           "rope_interleave": True}
+    if a("rope.scaling.type") == "yarn":
+        mscale = (a("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": float(a("rope.scaling.factor")),
+                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                               "mscale": mscale, "mscale_all_dim": mscale}
+    return cfg
 
 
 def _hf_name(name: str, arch: str = "llama") -> str | None:
@@ -159,14 +220,32 @@ def iter_gguf_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> I
     cfg = gguf_config(path, r)
     arch = cfg["model_type"]
     llama = arch == "llama"
+    k_b: dict[str, np.ndarray] = {}  # DeepSeek's kv_b_proj split by llama.cpp into k_b and v_b: waiting for v_b
     for t in r.tensors:
         if t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
             continue  # Phi-3's LongRoPE factors: in the config (gguf_config)
+        w = dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        stacked = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", t.name)
+        if stacked is not None:  # [E, out, in]: one tensor per expert
+            for e in range(w.shape[0]):
+                yield (f"model.layers.{stacked.group(1)}.mlp.experts.{e}.{_EXPERTS[stacked.group(2)]}.weight",
+                       torch.from_numpy(np.array(w[e])).to(dtype))  # a copy: F32 tensors map the file
+            continue
+        split = re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", t.name)
+        if split is not None:  # k_b [H, r, nope], v_b [H, v, r] -> kv_b_proj [H * (nope + v), r]
+            k_b[split.group(1) + split.group(2)] = w
+            kb, vb = k_b.pop(split.group(1) + "k", None), k_b.pop(split.group(1) + "v", None)
+            if kb is None or vb is None:
+                k_b.update({split.group(1) + x: y for x, y in (("k", kb), ("v", vb)) if y is not None})
+                continue
+            w = np.concatenate((kb.transpose(0, 2, 1), vb), axis=1).reshape(-1, kb.shape[1])
+            yield f"model.layers.{split.group(1)}.self_attn.kv_b_proj.weight", torch.from_numpy(w).to(dtype)
+            continue
         name = _hf_name(t.name, arch)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} has no place in {cfg['architectures'][0]}")
-        w = dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        name = name.replace(".e_score_correction.bias", ".e_score_correction_bias")  # DeepSeek-V3's exp_probs_b
         if llama and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             w = _unpermute(w, heads)

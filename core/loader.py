@@ -91,7 +91,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.weight$")
+# experts.{e}.w1/w2/w3 (Mixtral) or experts.{e}.gate_proj/down_proj/up_proj (Qwen-MoE, DeepSeek)
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -100,13 +103,17 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tied = getattr(model.config, "tie_word_embeddings", False)
     quantized = getattr(model, "quant_config", None) is not None
     loaded: set[str] = set()
+    layers = getattr(model.config, "num_hidden_layers", None)
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
+        extra = _LAYER.match(name)  # DeepSeek-V3's multi-token-prediction layer after the last one: not served
+        if extra is not None and layers is not None and int(extra.group(1)) >= layers:
+            continue
         pname, shard = name, None
-        expert = _EXPERT.search(name)  # Mixtral: experts.{e}.w1/w2/w3 -> the stacked experts.w13/w2 weights
+        expert = _EXPERT.search(name)  # experts.{e}.w1/w2/w3 -> the stacked experts.w13/w2 weights
         if expert is not None:
-            e, w = int(expert.group(1)), expert.group(2)
+            e, w = int(expert.group(1)), _EXPERT_PROJ.get(expert.group(2), expert.group(2))
             stacked = ".experts.w2_weight" if w == "w2" else ".experts.w13_weight"
             pname, shard = name[:expert.start()] + stacked, (e, w)
         for frag, (packed, shard_id) in mapping.items() if expert is None else ():

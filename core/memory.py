@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from vserve.core.model_config import ModelConfig
-from vserve.ops.model_shapes import moe_shape
+from vserve.ops.model_shapes import mla_shape, moe_shape
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -90,11 +90,21 @@ def _linear_layers(m: ModelConfig, tp: int) -> list[tuple[int, int, int, bool]]:
     H, L = m.hidden_size, m.num_hidden_layers
     q = m.num_attention_heads // tp * m.head_dim
     kv = kv_heads_per_rank(m, tp) * m.head_dim
-    layers = [(H, q + 2 * kv, L, False), (q, H, L, True)]
+    mla = mla_shape(m)
+    if mla is None:
+        layers = [(H, q + 2 * kv, L, False), (q, H, L, True)]
+    else:  # q_a_proj and kv_a_proj_with_mqa replicated; q_b_proj (q_proj), kv_b_proj and o_proj split by heads
+        heads, r = m.num_attention_heads // tp, mla.kv_lora_rank
+        qk = heads * (mla.nope_dim + mla.rope_dim)
+        layers = [(H, mla.q_lora_rank, L, False), (mla.q_lora_rank, qk, L, False)] if mla.q_lora_rank else \
+            [(H, qk, L, False)]
+        layers += [(H, r + mla.rope_dim, L, False), (r, heads * (mla.nope_dim + mla.v_dim), L, False),
+                   (heads * mla.v_dim, H, L, True)]
     moe = moe_shape(m)
-    mlps = [(m.intermediate_size, L)] if moe is None else [(moe.intermediate_size, L * moe.num_experts)]
+    mlps = [(m.intermediate_size, L)] if moe is None else \
+        [(moe.intermediate_size, (L - moe.dense_layers) * moe.num_experts), (m.intermediate_size, moe.dense_layers)]
     if moe is not None and moe.shared_intermediate_size:
-        mlps.append((moe.shared_intermediate_size, L))
+        mlps.append((moe.shared_intermediate_size, L - moe.dense_layers))
     for inter, n in mlps:
         i = _cdiv(inter, tp)
         # gate_up (c_fc) column-parallel, down (c_proj) row-parallel
@@ -115,9 +125,16 @@ def _other_params(m: ModelConfig, tp: int) -> int:
         n += (m.num_attention_heads // tp + 2 * kv_heads_per_rank(m, tp)) * hd * L
     if m.use_bias:  # StarCoder2: o_proj, c_fc and c_proj too
         n += (2 * H + _cdiv(m.intermediate_size, tp)) * L
+    mla = mla_shape(m)
+    if mla is not None:  # kv_a_layernorm, q_a_layernorm
+        n += (mla.kv_lora_rank + (mla.q_lora_rank or 0)) * L
     moe = moe_shape(m)
     if moe is not None:
-        n += H * moe.num_experts * L + (H * L if moe.shared_intermediate_size else 0)
+        sparse = L - moe.dense_layers
+        if "n_routed_experts" in m.raw:  # DeepSeek: the router, V3's correction bias; no shared-expert gate
+            n += (H + (1 if m.architecture == "DeepseekV3ForCausalLM" else 0)) * moe.num_experts * sparse
+        else:
+            n += H * moe.num_experts * sparse + (H * sparse if moe.shared_intermediate_size else 0)
     return n
 
 
@@ -143,7 +160,11 @@ def weights_bytes(m: ModelConfig, dtype_bytes: int, quantization: str | QuantSpe
 
 
 def kv_bytes_per_token(m: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """2 (K and V) x layers x one rank's KV heads x head dim x dtype bytes."""
+    """2 (K and V) x layers x one rank's KV heads x head dim x dtype bytes; MLA (DeepSeek): layers x (kv_lora_rank
+    + rope dim) x dtype bytes, the compressed latent, the same on every rank."""
+    mla = mla_shape(m)
+    if mla is not None:
+        return m.num_hidden_layers * (mla.kv_lora_rank + mla.rope_dim) * dtype_bytes
     return 2 * m.num_hidden_layers * kv_heads_per_rank(m, tensor_parallel_size) * m.head_dim * dtype_bytes
 
 
@@ -156,6 +177,10 @@ def activation_bytes(m: ModelConfig, num_tokens: int, num_sampled: int, dtype_by
     q = m.num_attention_heads // tp * m.head_dim
     kv = kv_heads_per_rank(m, tp) * m.head_dim
     attn = H + (q + 2 * kv) + q  # normed input, qkv, attention output
+    mla = mla_shape(m)
+    if mla is not None:  # normed input, q, latent + k_pe, q absorbed into the latent space, attention output
+        heads, latent = m.num_attention_heads // tp, mla.kv_lora_rank + mla.rope_dim
+        attn = H + heads * (mla.nope_dim + mla.rope_dim) + latent + heads * latent + heads * mla.v_dim
     moe = moe_shape(m)
     if moe is None:
         mlp = H + (3 if _gated(m) else 2) * _cdiv(m.intermediate_size, tp)  # normed input, gate_up, act(gate) * up

@@ -13,6 +13,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen_moe",
+    "Qwen3MoeForCausalLM": "qwen_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -141,8 +145,10 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch.startswith(("Cohere", "Star")))),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM") or cfg.get("use_bias")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or bool(cfg.get("use_qk_norm")),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM") or cfg.get("use_bias")
+                                or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or bool(cfg.get("use_qk_norm")),
             sliding_window=window,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -176,4 +182,6 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.raw.get("kv_lora_rank"):  # MLA: the compressed latent (core/memory.py kv_bytes_per_token)
+            return self.num_hidden_layers * (self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]) * dtype_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes

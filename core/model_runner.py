@@ -91,7 +91,8 @@ class ModelRunner:
         self.prompt_scores: tuple[torch.Tensor, ...] | None = None  # the last step's prompt logprobs (device)
         self.prompt_segments: list = []  # [(request, first position, count)] of those scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not enforce_eager:
+        # MLA's attention (torch references, host syncs) runs eagerly: the model says so (cuda_graphs = False)
+        if device.type == "cuda" and not enforce_eager and getattr(model, "cuda_graphs", True):
             with startup.phase("cuda graphs"):
                 self.capture_graphs(graph_batch_sizes(max_num_seqs))
 
@@ -100,7 +101,8 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)  # this TP rank's KV heads
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device) if getattr(
+                attn, "latent_cache", False) else torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # MLA
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     # ---- CUDA graphs for pure-decode steps -----------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Triton fused MoE: each program reads its token's expert id and multiplies by that expert's weights in
-place, so tokens are never permuted or padded per expert (a GEMV per (token, slot): decode-sized batches).
+"""Per-row Triton MoE: each program reads its token's expert id and multiplies by that expert's weights in
+place, so tokens are never permuted or padded per expert (a GEMV per (token, slot) on CUDA cores). The grouped
+tensor-core kernel (kernels/triton_fused_moe.py) serves MoE layers; it falls back to this one for batches of at most
+`per_row_max_tokens` tokens (kernels/fused_moe_configs.json), where a GEMV may be faster.
 
 Matches kernels/moe_ref.py:fused_moe_ref (same signature); accumulation in fp32.
 """
@@ -54,7 +56,7 @@ def _down_kernel(a_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, I, H, stride_at, stride
     tl.store(out_ptr + row * stride_ot + h, y.to(dtype), mask=h < H)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe_per_row(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
     """As fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, k] -> [T, H]."""
     T, H = x.shape

@@ -9,7 +9,7 @@ from pathlib import Path
 from vserve.core.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Planned but not served (yet): their dense part is Llama-like, the MoE part is read from the raw config.
-PLANNING_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+PLANNING_ARCHITECTURES = tuple(SUPPORTED_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,19 @@ class MoEShape:
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
-    shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert
+    shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; DeepSeek's n_shared_experts together
+    dense_layers: int = 0  # layers with a dense MLP instead (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek's multi-head latent attention: the KV cache holds kv_lora_rank + rope_dim per token and layer."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+    q_lora_rank: int | None
 
 
 def _llama(vocab, hidden, inter, layers, heads, kv, ctx, arch="LlamaForCausalLM", **extra) -> dict:
@@ -28,6 +40,17 @@ def _llama(vocab, hidden, inter, layers, heads, kv, ctx, arch="LlamaForCausalLM"
 
 _GEMMA2 = dict(tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+
+_DEEPSEEK_V2_LITE = dict(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+                         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0,
+                         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                       "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
+_DEEPSEEK_V3 = dict(_DEEPSEEK_V2_LITE, q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1,
+                    num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3, n_group=8,
+                    topk_group=4, topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5,
+                    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                  "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
 
 # config.json fields of published checkpoints (the shapes the seeds and the profiles talk about).
 KNOWN_SHAPES: dict[str, dict] = {
@@ -46,6 +69,13 @@ KNOWN_SHAPES: dict[str, dict] = {
     "yi-34b": _llama(64000, 7168, 20480, 60, 56, 8, 4096),
     "mixtral-8x7b": _llama(32000, 4096, 14336, 32, 32, 8, 32768, "MixtralForCausalLM", num_local_experts=8,
                            num_experts_per_tok=2, rope_theta=1e6),
+    "qwen1.5-moe-a2.7b": _llama(151936, 2048, 5632, 24, 16, 16, 8192, "Qwen2MoeForCausalLM", num_experts=60,
+                                num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                rope_theta=1e6),
+    "qwen3-30b-a3b": _llama(151936, 2048, 6144, 48, 32, 4, 40960, "Qwen3MoeForCausalLM", head_dim=128, num_experts=128,
+                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1e6),
+    "deepseek-v2-lite": _llama(102400, 2048, 10944, 27, 16, 16, 163840, "DeepseekV2ForCausalLM", **_DEEPSEEK_V2_LITE),
+    "deepseek-v3": _llama(129280, 7168, 18432, 61, 128, 128, 163840, "DeepseekV3ForCausalLM", **_DEEPSEEK_V3),
     "deepseek-llm-7b": _llama(102400, 4096, 11008, 30, 32, 32, 4096),
     "deepseek-llm-67b": _llama(102400, 8192, 22016, 95, 64, 8, 4096),
     "gemma-7b": _llama(256000, 3072, 24576, 28, 16, 16, 8192, "GemmaForCausalLM", head_dim=256,
@@ -116,6 +146,22 @@ def moe_shape(m: ModelConfig) -> MoEShape | None:
     experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
     if not experts:
         return None
+    inter = int(raw.get("moe_intermediate_size") or m.intermediate_size)
+    L = m.num_hidden_layers
+    if "n_routed_experts" in raw:  # DeepSeek
+        shared = inter * int(raw.get("n_shared_experts") or 0)
+        dense = min(L, int(raw.get("first_k_dense_replace") or 0))
+    else:  # Qwen-MoE's sparse layers: not in mlp_only_layers and (i + 1) a multiple of decoder_sparse_step
+        step, only = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or [])
+        shared = int(raw.get("shared_expert_intermediate_size") or 0)
+        dense = sum(1 for i in range(L) if i in only or (i + 1) % step)
     return MoEShape(num_experts=int(experts), top_k=int(raw.get("num_experts_per_tok") or 2),
-                    intermediate_size=int(raw.get("moe_intermediate_size") or m.intermediate_size),
-                    shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
+                    intermediate_size=inter, shared_intermediate_size=shared, dense_layers=dense)
+
+
+def mla_shape(m: ModelConfig) -> MLAShape | None:
+    raw = m.raw
+    if not raw.get("kv_lora_rank"):
+        return None
+    return MLAShape(int(raw["kv_lora_rank"]), int(raw["qk_rope_head_dim"]), int(raw["qk_nope_head_dim"]),
+                    int(raw["v_head_dim"]), raw.get("q_lora_rank"))

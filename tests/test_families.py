@@ -73,22 +73,42 @@ def hf_greedy(folder, prompts, new_tokens: int) -> list[list[int]]:
     return _hf_greedy(folder, prompts, new_tokens, attn_implementation="eager")
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, default_model_dir):
+def reference_getter(tmp_path_factory, default_model_dir, families: dict, build=build_tiny):
+    """get(family) -> (folder, prompts, HF's greedy tokens, seed): the family's tiny model (built once, from a fresh
+    seed) and its 6 prompts."""
     cache = {}
 
     def get(family):
         if family not in cache:
             seed = int.from_bytes(os.urandom(4), "little")
-            cls_name, overrides = FAMILIES[family]
+            cls_name, overrides = families[family]
             folder = tmp_path_factory.mktemp(family)
-            build_tiny(folder, cls_name, overrides, seed, default_model_dir)
+            build(folder, cls_name, overrides, seed, default_model_dir)
             rng = random.Random(seed)
             prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
             cache[family] = (folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS), seed)
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, default_model_dir):
+    return reference_getter(tmp_path_factory, default_model_dir, FAMILIES)
+
+
+def check_greedy(folder, prompts, expected, seed, setting: str, **overrides) -> None:
+    """The 6 prompts through vserve under ENGINE_SETTINGS[setting] (+ overrides) give HF's tokens, every block is
+    free afterwards, and the preemption setting preempted."""
+    block_size, caching, extra = ENGINE_SETTINGS[setting]
+    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=caching,
+              **{**extra, **overrides})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert_same_tokens([o.outputs[0].token_ids for o in outs], expected, prompts, f"(model seed {seed})")
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    if setting == "bs16-chunked-preempt":
+        assert stats.num_preemptions > 0, "the setting was meant to force preemption"
 
 
 def _every_layer_slides(folder) -> bool:
@@ -103,18 +123,9 @@ def _every_layer_slides(folder) -> bool:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_hf(references, family, setting):
     folder, prompts, expected, seed = references(family)
-    block_size, caching, extra = ENGINE_SETTINGS[setting]
-    if setting == "bs16-chunked-preempt" and _every_layer_slides(folder):
-        # blocks behind the window go back to the pool: 24 would hold all six; 8 hold one (6 blocks) but not two
-        extra = dict(extra, num_kv_blocks=8)
-    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=caching,
-              **extra)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    assert_same_tokens([o.outputs[0].token_ids for o in outs], expected, prompts, f"(model seed {seed})")
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
-    if setting == "bs16-chunked-preempt":
-        assert stats.num_preemptions > 0, "the setting was meant to force preemption"
+    # blocks behind the window go back to the pool: 24 would hold all six; 8 hold one (6 blocks) but not two
+    window = dict(num_kv_blocks=8) if setting == "bs16-chunked-preempt" and _every_layer_slides(folder) else {}
+    check_greedy(folder, prompts, expected, seed, setting, **window)
 
 
 TP_CASES = {  # what sharding adds: fused checkpoint tensors split per rank, per-head norms, a replicated KV head
@@ -124,11 +135,10 @@ TP_CASES = {  # what sharding adds: fused checkpoint tensors split per rank, per
 }
 
 
-@pytest.mark.parametrize("case", list(TP_CASES))
-def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
+def check_tensor_parallel_2(tmp_path, default_model_dir, cls_name: str, overrides: dict, build=build_tiny) -> None:
+    """A fresh tiny model of the family under TP=2 (gloo) gives HF's greedy tokens (2 prompts, chunked prefill)."""
     seed = int.from_bytes(os.urandom(4), "little")
-    cls_name, overrides = TP_CASES[case]
-    build_tiny(tmp_path, cls_name, overrides, seed, default_model_dir)
+    build(tmp_path, cls_name, overrides, seed, default_model_dir)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (7, 40)]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2,
@@ -138,6 +148,11 @@ def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tmp_path, prompts, 16), f"model seed {seed}"
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_2_matches_hf(tmp_path, default_model_dir, case):
+    check_tensor_parallel_2(tmp_path, default_model_dir, *TP_CASES[case])
 
 
 def test_longrope_prompts_longer_than_the_original_length_match_hf(default_model_dir, tmp_path):

@@ -1,5 +1,6 @@
 """Rotary position embedding: rotate-half (HF's Llama layout) or interleaved pairs (GPT-J style, Command R), over
-the whole head or its first rotary_dim dims, with linear, llama3 and longrope (Phi-3) frequency scaling."""
+the whole head or its first rotary_dim dims, with linear, llama3, yarn (DeepSeek) and longrope (Phi-3) frequency
+scaling."""
 
 from __future__ import annotations
 
@@ -29,7 +30,50 @@ def _inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, longrope)")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 mscale ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(scaling: dict, max_position: int | None = None) -> float:
+    return scaling.get("factor") or max_position / scaling["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): interpolated frequencies below the beta_slow rotations,
+    extrapolated above beta_fast, a linear ramp between."""
+    factor, original = _yarn_factor(scaling), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high)
+                                                                              - low), 0, 1)
+    extrapolation = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+def yarn_attention_factor(scaling: dict, max_position: int) -> float:
+    """What YaRN scales cos and sin by: attention_factor, else mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) where both are set (DeepSeek), else mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+    return yarn_get_mscale(factor)
 
 
 def _longrope(dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
@@ -67,11 +111,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         self.interleaved = interleaved
+        if (scaling or {}).get("rope_type") == "yarn" and not scaling.get("factor"):  # DeepSeek-V3: from the lengths
+            scaling = {**scaling, "factor": _yarn_factor(scaling, max_position)}
         if (scaling or {}).get("rope_type") == "longrope":
             freqs, attn = _longrope(self.rotary_dim, theta, scaling, max_position)
         else:
             t = torch.arange(max_position, dtype=torch.float32)
             freqs, attn = torch.outer(t, _inv_freq(self.rotary_dim, theta, scaling)), 1.0
+            if (scaling or {}).get("rope_type") == "yarn":
+                attn = yarn_attention_factor(scaling, max_position)
         # float32 tables [max_position, rotary_dim / 2]; gathered per step by position.
         self.register_buffer("cos", freqs.cos() * attn, persistent=False)
         self.register_buffer("sin", freqs.sin() * attn, persistent=False)

@@ -53,6 +53,20 @@ class DecoderModel(nn.Module):
         return x
 
 
+class PreNormDecoderLayer(nn.Module):
+    """input_layernorm -> self_attn -> post_attention_layernorm -> mlp, each residual add fused into the next norm
+    (the MoE and MLA families; Llama's own layer also passes W8A8 inputs through its norms)."""
+
+    def forward(self, positions, x, residual, md):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
 class CausalLM(nn.Module):
     """A DecoderModel (`self.model`, built by the subclass) and its LM head, tied to the embedding or not."""
 
