@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
@@ -102,20 +103,23 @@ class GrammarCompiler:
         self._info = None
         self._compiler = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles on worker threads: the cache and first build under it
         self._info_sent = False
         self._sent: OrderedDict[str, None] = OrderedDict()  # the keys the core holds, least recently used first
         self.compile_seconds: deque[float] = deque()  # each cache miss's compile time (the metrics pop them)
         self.num_requests = 0  # requests compiled for, cache hits included
 
     def _ensure(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init)")
-            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                             stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer; this engine has none "
+                                     "(skip_tokenizer_init)")
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
         return self._compiler
 
     def tokenizer_info_json(self) -> str:
@@ -147,11 +151,12 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
         key, think_end_id = params.key(), params.start_after_token_id
-        self.num_requests += 1
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return GrammarSpec(key, compiled, think_end_id)
+        with self._lock:
+            self.num_requests += 1
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return GrammarSpec(key, compiled, think_end_id)
         compiler = self._ensure()
         t0 = time.perf_counter()
         try:
@@ -161,9 +166,10 @@ class GrammarCompiler:
             raise ValueError(f"the {params.kind} structured output does not compile: {msg}") from None
         self.compile_seconds.append(time.perf_counter() - t0)
         compiled = grammar.serialize_json()
-        self._cache[key] = compiled
-        if len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return GrammarSpec(key, compiled, think_end_id)
 
     @staticmethod
