@@ -28,7 +28,11 @@ Every row: random weights (--load-format dummy, bf16), prompts of random token i
   ratio to 8b_512 is the 0.9x goal's).
 - structured (not run unless named): the 8B body with SmolLM2's vocabulary and tokenizer (VSERVE_BENCH_TOKENIZER),
   256 requests U[100,1024] -> 512 new tokens, unconstrained and under a JSON schema of one free string (a request
-  ends when its string closes): the ratio of output tokens/s is #29's 0.9x goal's.
+  ends when its string closes): the ratio of output tokens/s is #29's 0.9x goal's; each JSON row also reports the
+  compile times and the core's bitmask fill and matcher time per step.
+- lora (not run unless named): the 8B 512-token row without LoRA and with 1, 8 and 32 distinct rank-16 adapters on
+  q/k/v/o/gate/up/down round-robin over the requests; batch 1 without and with one adapter; 5 resident adapters'
+  slot bytes against the weights (issue #28's acceptance 4).
 Each row's JSON goes to OUT/h200_rows.json as it ends; a table is printed last.
 --cpu-smoke runs SMOKE_ROWS on a tiny shape in float32 on the CPU: the commands run, nothing is measured.
 """
@@ -75,7 +79,8 @@ QUANT = {  # config.json's quantization_config of each method
                                                                     strategy="token", dynamic=True)}}},
 }
 SMOKE_ROWS = ("startup_serve_8b", "startup_generate_8b", "qwen05b_512", "8b_512_half_pen_lp", "quant_bs1_awq",
-              "quant_256_fp8_kv_fp8_warm", "serve_8b_c64", "mixtral_8x7b_512", "deepseek_v2_lite_512")
+              "quant_256_fp8_kv_fp8_warm", "serve_8b_c64", "mixtral_8x7b_512", "deepseek_v2_lite_512",
+              "lora_8b_512_n8", "lora_8b_bs1_n1", "lora_8b_mem_n5")
 
 
 @dataclass(slots=True)
@@ -153,6 +158,15 @@ def rows(z: Sizes) -> list[Row]:
     out += [Row("structured", "8b_sv_512", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens)),
             Row("structured", "8b_sv_512_json", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens,
                                                                     "--json-schema", str(ANSWER_SCHEMA)))]
+    # multi-LoRA (#28): rank-16 adapters on q/k/v/o/gate/up/down, spread round-robin over the requests; the base
+    # rows run in the same call; the memory row holds 5 adapters resident (its report's memory.lora_slot_bytes)
+    lora = ["--lora-rank", "16"]
+    out += [Row("lora", "lora_8b_512_base", "8b", throughput(z.num_prompts, z.input_len, z.new_tokens))]
+    out += [Row("lora", f"lora_8b_512_n{n}", "8b", throughput(z.num_prompts, z.input_len, z.new_tokens,
+                                                             "--num-loras", str(n), *lora)) for n in (1, 8, 32)]
+    out += [Row("lora", "lora_8b_bs1_base", "8b", bs1),
+            Row("lora", "lora_8b_bs1_n1", "8b", [*bs1, "--num-loras", "1", *lora]),
+            Row("lora", "lora_8b_mem_n5", "8b", throughput(5, z.bs1_input, "16", "--num-loras", "5", *lora))]
     return out
 
 
@@ -179,7 +193,18 @@ def headline(r: dict) -> str:
     if "error" in r:
         return "error: " + str(r["error"]).strip().splitlines()[-1][:100]
     if "output_tokens_per_s" in r:
-        return f"{r['output_tokens_per_s']:,.1f} output tok/s ({r['output_tokens']} tokens, {r['elapsed_s']:.2f} s)"
+        extra = ""
+        if r.get("structured"):
+            g = r["structured"]
+            extra = (f"; compile cold {g['compile_cold_s'] * 1e3:.1f} ms, cached {g['compile_cached_s'] * 1e3:.2f} ms; "
+                     f"bitmask {g['bitmask_fill_ms_per_step']:.2f} ms/step ({g['bitmask_rows_per_step']:.0f} rows), "
+                     f"accept {g['accept_us_per_token']:.1f} us/token, step {g['elapsed_ms_per_step']:.1f} ms")
+        if (r.get("memory") or {}).get("lora_slot_bytes"):
+            m = r["memory"]
+            extra += (f"; LoRA slots {m['lora_slot_bytes'] / 2**20:,.0f} MiB = "
+                      f"{m['lora_slot_bytes'] / m['weights_bytes']:.1%} of the weights")
+        return (f"{r['output_tokens_per_s']:,.1f} output tok/s ({r['output_tokens']} tokens, {r['elapsed_s']:.2f} s)"
+                + extra)
     if r.get("mode") in ("serve", "generate"):
         return "; ".join(f"{run['cache']} {run['seconds']:.2f} s" for run in r.get("runs", []))
     if "runs" in r:
@@ -203,6 +228,11 @@ def ratios(res: dict) -> dict:
         out["half_pen_lp_over_plain"] = tok_s("8b_512_half_pen_lp") / tok_s("8b_512")
     if tok_s("8b_sv_512_json") and tok_s("8b_sv_512"):
         out["json_schema_over_plain"] = tok_s("8b_sv_512_json") / tok_s("8b_sv_512")
+    for n in ("1", "8", "32"):
+        if tok_s(f"lora_8b_512_n{n}") and tok_s("lora_8b_512_base"):
+            out[f"lora_n{n}_over_base"] = tok_s(f"lora_8b_512_n{n}") / tok_s("lora_8b_512_base")
+    if tok_s("lora_8b_bs1_n1") and tok_s("lora_8b_bs1_base"):
+        out["lora_bs1_n1_over_base"] = tok_s("lora_8b_bs1_n1") / tok_s("lora_8b_bs1_base")
     for name in res:
         if name.startswith("quant_256_fp8_kv_fp8_") and tok_s(name.replace("fp8_kv_fp8", "bf16_kv_auto")):
             out[name.removeprefix("quant_256_") + "_over_bf16"] = tok_s(name) / tok_s(
@@ -214,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--groups", default="startup,throughput,quant,serve",
-                    help="comma-separated (hf, families, moe, moe_hf: not by default)")
+                    help="comma-separated (hf, families, moe, moe_hf, structured, lora: not by default)")
     ap.add_argument("--rows", default="", help="row names, comma-separated (instead of --groups)")
     ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
                     help="SMOKE_ROWS on a tiny shape on the CPU, float32: the commands run, nothing is measured")

@@ -55,7 +55,7 @@ def special_ids(tok) -> set[int]:
 
 
 def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_fraction: float = 1.0,
-               loras: list | None = None) -> Result:
+               loras: list | None = None, details: dict[str, Any] | None = None) -> Result:
     # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length. extra
     # (repetition_penalty, logprobs) goes to an evenly spread extra_fraction of the requests.
     extra = extra or {}
@@ -70,13 +70,43 @@ def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_frac
     if loras:  # and each adapter read once (CPU copies; slots while they are enough), outside the timed run
         llm.generate([w.prompts[0][:8]] * len(loras), SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
                      lora_request=loras)
+    engine = llm.llm_engine
+    before = engine.last_stats.grammar if engine.last_stats is not None else (0.0, 0, 0, 0.0, 0)
     start = time.perf_counter()
     # --num-loras: the adapters round-robin over the requests
     lora_request = [loras[i % len(loras)] for i in range(len(w.prompts))] if loras else None
     outs = llm.generate(w.prompts, params, use_tqdm=True, lora_request=lora_request)
     elapsed = time.perf_counter() - start
+    if details is not None and "structured_outputs" in extra:
+        details.update(grammar_times(before, engine.last_stats.grammar, elapsed))
     return Result("vserve", len(outs), sum(map(len, w.prompts)),
                   sum(len(c.token_ids) for o in outs for c in o.outputs), elapsed)
+
+
+def grammar_times(before: tuple, after: tuple, elapsed: float) -> dict[str, Any]:
+    """The core's host time on grammars over the run (CoreStats.grammar at its start and end): the bitmask fill
+    per step with a constrained row (the core fills it while the step's forward runs), and the matchers' advance."""
+    fill_s, calls, rows, accept_s, tokens = (b - a for a, b in zip(before, after))
+    return {"steps_with_grammar": calls,
+            "bitmask_fill_ms_per_step": 1e3 * fill_s / max(calls, 1),
+            "bitmask_rows_per_step": rows / max(calls, 1),
+            "accept_us_per_token": 1e6 * accept_s / max(tokens, 1),
+            "accept_ms_per_step": 1e3 * accept_s / max(calls, 1),
+            "elapsed_ms_per_step": 1e3 * elapsed / max(calls, 1)}
+
+
+def compile_times(llm, structured) -> dict[str, Any]:
+    """The front end's grammar costs before the run: the tokenizer's grammar info (once per engine), the schema's
+    first compile (cold) and a second request's (the front end's cache)."""
+    grammars = llm.llm_engine.processor.grammars
+    t0 = time.perf_counter()
+    grammars.tokenizer_info_json()
+    t1 = time.perf_counter()
+    grammars.compile(structured)
+    t2 = time.perf_counter()
+    grammars.compile(structured)
+    t3 = time.perf_counter()
+    return {"tokenizer_info_s": t1 - t0, "compile_cold_s": t2 - t1, "compile_cached_s": t3 - t2}
 
 
 def lora_engine_args(engine_args: dict[str, Any], num_loras: int, rank: int) -> dict[str, Any]:
@@ -291,15 +321,22 @@ def throughput(
                          f"--max-model-len {engine.max_model_len}")
     lora_dir = tempfile.TemporaryDirectory(prefix="vserve-bench-lora-") if num_loras else None
     loras = None
+    details: dict[str, Any] = {}
+    if json_schema is not None:
+        details.update(compile_times(llm, extra["structured_outputs"]))
     if lora_dir is not None:
         from vserve.core.lora.dummy import write_dummy_adapters
 
         loras = write_dummy_adapters(Path(lora_dir.name), engine.model_config, num_loras, lora_rank, seed)
     try:
-        results = [run_vserve(llm, w, extra, sampling_fraction, **({"loras": loras} if loras else {}))]
+        results = [run_vserve(llm, w, extra, sampling_fraction, details=details,
+                              **({"loras": loras} if loras else {}))]
     finally:
         if lora_dir is not None:
             lora_dir.cleanup()
+    # the planner's figures, and the LoRA slots' bytes as allocated (lora_slot_bytes)
+    memory = {k: engine.info.memory_plan.get(k) for k in ("weights_bytes", "lora_bytes", "lora_slot_bytes",
+                                                          "kv_cache_bytes", "num_blocks")}
     notes = []
     if hf_folder is not None:
         dtype, device = engine.dtype, engine.device
@@ -321,6 +358,9 @@ def throughput(
                            "fraction": sampling_fraction} if extra else None,
               "lora": {"num_loras": num_loras, "rank": lora_rank, "max_loras": engine_args["max_loras"]}
               if num_loras else None}
+    if details:
+        report["structured"] = details
+    report["memory"] = memory
     if len(results) > 1:
         report["peers"] = [r.as_dict() for r in results[1:]]
         report["ratios"] = {r.backend: report["output_tokens_per_s"] / max(r.as_dict()["output_tokens_per_s"], 1e-9)

@@ -169,5 +169,5 @@ class LLMEngine:
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)
-        if isinstance(client, ProcClient):
+        if ProcClient is not None and isinstance(client, ProcClient):  # None: module globals torn down at exit
             client.kill()

@@ -61,6 +61,7 @@ class CoreStats:
     last_step_tokens: int
     step_seconds: float
     num_taken: int  # requests the core has been given
+    grammar: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)  # StructuredOutputManager.times()
 
 
 class CoreOutput(NamedTuple):
@@ -174,6 +175,7 @@ class EngineCore:
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.long_prefill_token_threshold)
         lora = attach_lora(self.model, config, self.dtype, self.device)
+        self.lora_slot_bytes = lora.nbytes() if lora is not None else 0  # as allocated (the plan predicts lora_bytes)
         # CUDA graphs are not captured under TP/PP yet (collectives inside captured graphs are untested).
         self.runner = ModelRunner(self.model, mc, bs, num_blocks, self.dtype, self.device, config.seed,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
@@ -198,7 +200,7 @@ class EngineCore:
 
     def info(self) -> CoreInfo:
         return CoreInfo(str(self.dtype).removeprefix("torch."), str(self.device), self.max_model_len,
-                        self.async_scheduling, self.memory_plan.as_dict())
+                        self.async_scheduling, {**self.memory_plan.as_dict(), "lora_slot_bytes": self.lora_slot_bytes})
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -340,7 +342,7 @@ class EngineCore:
             self.num_generated_tokens += 1
             plp = take_prompt_logprobs(req) if req.sampling_params.prompt_logprobs is not None else None
             status = self._check_stop(req, token)
-            if status is None and req.grammar is not None and req.grammar.accept(token):
+            if status is None and req.grammar is not None and self.structured.accept(req.grammar, token):
                 status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
             if status is None:
                 outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None, plp))
@@ -395,4 +397,4 @@ class EngineCore:
 
     def core_stats(self, seconds: float) -> CoreStats:
         return CoreStats(self.stats(), self.num_generated_tokens, self.num_computed_prompt_tokens,
-                         self.last_step_tokens, seconds, self.num_taken)
+                         self.last_step_tokens, seconds, self.num_taken, self.structured.times())

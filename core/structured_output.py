@@ -226,6 +226,24 @@ class StructuredOutputManager:
     _grammars: dict = field(default_factory=dict)
     _bitmask: Any = None  # a host torch.Tensor, grown as needed
     _batch: Any = None  # xgrammar's BatchGrammarMatcher: the rows' masks filled on several threads
+    # host time the grammars cost the core (CoreStats.grammar): mask fills (once per step with a constrained row:
+    # seconds, calls, rows) and matcher advances (seconds, tokens)
+    fill_seconds: float = 0.0
+    fill_calls: int = 0
+    fill_rows: int = 0
+    accept_seconds: float = 0.0
+    accept_tokens: int = 0
+
+    def times(self) -> tuple[float, int, int, float, int]:
+        return self.fill_seconds, self.fill_calls, self.fill_rows, self.accept_seconds, self.accept_tokens
+
+    def accept(self, state: GrammarState, token: int) -> bool:
+        """state.accept(token), timed."""
+        t0 = time.perf_counter()
+        done = state.accept(token)
+        self.accept_seconds += time.perf_counter() - t0
+        self.accept_tokens += 1
+        return done
 
     def set_tokenizer_info(self, info_json: str) -> None:
         import xgrammar as xgr
@@ -264,6 +282,7 @@ class StructuredOutputManager:
             return None
         import torch
 
+        t0 = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             n = max(len(rows), 2 * (0 if self._bitmask is None else self._bitmask.shape[0]), 8)
@@ -280,4 +299,7 @@ class StructuredOutputManager:
 
                 self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(16, (os.cpu_count() or 2) - 1)))
             self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], mask)
+        self.fill_seconds += time.perf_counter() - t0
+        self.fill_calls += 1
+        self.fill_rows += len(rows)
         return mask, rows

@@ -111,7 +111,7 @@ def test_throughput_gives_extra_sampling_to_a_fraction_of_requests(tiny, monkeyp
     seen = []
     orig = bench.run_vserve
 
-    def recording(llm, w, extra=None, fraction=1.0):
+    def recording(llm, w, extra=None, fraction=1.0, **kw):
         real = llm.generate
 
         def generate(prompts, params=None, **kw):
@@ -119,7 +119,7 @@ def test_throughput_gives_extra_sampling_to_a_fraction_of_requests(tiny, monkeyp
                 seen.extend((p.repetition_penalty, p.logprobs) for p in params)
             return real(prompts, params, **kw)
         llm.generate = generate
-        return orig(llm, w, extra, fraction)
+        return orig(llm, w, extra, fraction, **kw)
 
     monkeypatch.setattr(bench, "run_vserve", recording)
     out = run_json("throughput", "--num-prompts", "6", "--input-len", "4", "--output-len", "3",

@@ -173,6 +173,13 @@ def test_bench_throughput_json_schema_on_half_the_requests(shared_llm, tmp_path)
     # between two elements), before 40 tokens
     assert 80 < r["output_tokens"] < 160
     assert r["sampling"] == {"structured_outputs": str(f), "fraction": 0.5}
+    # the grammar costs: compiled once cold, then the front end's cache; the core's mask fills on the steps with a
+    # constrained row (at most the two constrained requests per fill), each of their tokens advanced once
+    g = r["structured"]
+    assert g["compile_cold_s"] > 0 and 0 <= g["compile_cached_s"] < g["compile_cold_s"]
+    assert 0 < g["steps_with_grammar"] <= 40 and 1 <= g["bitmask_rows_per_step"] <= 2
+    assert g["bitmask_fill_ms_per_step"] > 0 and g["accept_us_per_token"] > 0
+    assert g["elapsed_ms_per_step"] * g["steps_with_grammar"] == pytest.approx(r["elapsed_s"] * 1e3)
 
 
 def test_generate_json_schema_constrains_every_output(shared_llm, tmp_path):

@@ -279,6 +279,9 @@ def test_bench_throughput_spreads_random_adapters_over_the_requests(tiny_model, 
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["output_tokens"] == 21 and out["lora"] == {"num_loras": 3, "rank": 8, "max_loras": 3}
+    # three rank-8 slots on the seven projections as allocated (the plan's figure holds rank 16: its minimum)
+    mem = out["memory"]
+    assert 0 < mem["lora_slot_bytes"] <= mem["lora_bytes"] and mem["weights_bytes"] > 0
     names = [f"lora-{i % 3}" for i in range(7)]
     assert seen == [[(n, int(n[-1]) + 1) for n in names], [1, 2, 3]]
     bad = CliRunner().invoke(app, [*args[:-1], "--backend", "hf"])
