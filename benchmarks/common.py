@@ -30,6 +30,8 @@ QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_
 MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
                     max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
                     bos_token_id=1, eos_token_id=2)
+# Mixtral-8x7B's layers, 16 of its 32 (~47 GB in bf16): the shape an 80 GB H100 holds with a KV cache
+MIXTRAL_8X7B_16L = dict(MIXTRAL_8X7B, num_hidden_layers=16)
 # issue #26's MoE and MLA shapes: DeepSeek-V2-Lite (MLA with a 512 + 64 latent cache, 64 routed experts top-6 + 2
 # shared, the first layer dense, yarn RoPE); Mixtral-8x7B is above
 DEEPSEEK_V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,

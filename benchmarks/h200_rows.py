@@ -20,7 +20,8 @@ Every row: random weights (--load-format dummy, bf16), prompts of random token i
   tokens, streamed: TTFT, TPOT and ITL (p99 against p50).
 - hf (not run unless named): the 8B 512-token row with `--backend hf` (HF generate and generate_batch, same requests).
 - moe (not run unless named): the Mixtral-8x7B (bf16, ~93 GB: one H200) and DeepSeek-V2-Lite shapes, 256 requests
-  U[100,1024] -> 512 new tokens (issue #26); moe_hf: the same with `--backend hf-batch`.
+  U[100,1024] -> 512 new tokens (issue #26); moe_hf: the same with `--backend hf-batch`; moe_h100: Mixtral-8x7B's
+  layer shape at 16 of its 32 layers (~47 GB), for an 80 GB card.
 - families (not run unless named): the Gemma-2-9B and Phi-3-mini-128k shapes, 256 requests U[100,1024] -> 512 new
   tokens, vserve alone (`{shape}_512`) and with `--backend hf-batch` (HF generate_batch on the same requests, in the
   same run; issue #25). HF's Gemma-2-9B run alone takes more than 9 minutes on an H100.
@@ -54,6 +55,7 @@ from common import (  # benchmarks/ is sys.path[0]
     LLAMA3_8B,
     LLAMA3_8B_SV,
     MIXTRAL_8X7B,
+    MIXTRAL_8X7B_16L,
     PHI3_MINI,
     QWEN25_05B,
     SMOLLM2,
@@ -66,8 +68,10 @@ from common import (  # benchmarks/ is sys.path[0]
 )
 
 SHAPES = {"8b": LLAMA3_8B, "8b_sv": LLAMA3_8B_SV, "qwen05b": QWEN25_05B, "smollm2": SMOLLM2, "gemma2_9b": GEMMA2_9B,
-          "phi3_mini": PHI3_MINI, "mixtral_8x7b": MIXTRAL_8X7B, "deepseek_v2_lite": DEEPSEEK_V2_LITE}
-SMOKE_SHAPES = {"mixtral_8x7b": TINY_MIXTRAL, "deepseek_v2_lite": TINY_DEEPSEEK_V2}  # --cpu-smoke; others: TINY
+          "phi3_mini": PHI3_MINI, "mixtral_8x7b": MIXTRAL_8X7B, "mixtral_8x7b_16l": MIXTRAL_8X7B_16L,
+          "deepseek_v2_lite": DEEPSEEK_V2_LITE}
+SMOKE_SHAPES = {"mixtral_8x7b": TINY_MIXTRAL, "mixtral_8x7b_16l": TINY_MIXTRAL,  # --cpu-smoke; others: TINY
+                "deepseek_v2_lite": TINY_DEEPSEEK_V2}
 QUANT = {  # config.json's quantization_config of each method
     "bf16": None,
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
@@ -153,6 +157,9 @@ def rows(z: Sizes) -> list[Row]:
         out += [Row("moe", f"{shape}_512", shape, throughput(z.num_prompts, z.input_len, z.new_tokens)),
                 Row("moe_hf", f"{shape}_512_hf_batch", shape, throughput(z.num_prompts, z.input_len, z.new_tokens,
                                                                          "--backend", "hf-batch"))]
+    # an 80 GB card: Mixtral-8x7B's layer shape at 16 of its 32 layers (the full model is ~93 GB)
+    out.append(Row("moe_h100", "mixtral_8x7b_16l_512", "mixtral_8x7b_16l",
+                   throughput(z.num_prompts, z.input_len, z.new_tokens)))
     # structured outputs (#29): every request under a JSON schema of one free string; a request ends when the model
     # closes it (random weights: after ~100-200 tokens), so the ratio compares tokens/s of what was generated
     out += [Row("structured", "8b_sv_512", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens)),
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--groups", default="startup,throughput,quant,serve",
-                    help="comma-separated (hf, families, moe, moe_hf, structured, lora: not by default)")
+                    help="comma-separated (hf, families, moe, moe_hf, moe_h100, structured, lora: not by default)")
     ap.add_argument("--rows", default="", help="row names, comma-separated (instead of --groups)")
     ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
                     help="SMOKE_ROWS on a tiny shape on the CPU, float32: the commands run, nothing is measured")
