@@ -635,7 +635,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, dequant_m: int | None = None,
                gemv_m: int = AWQ_GEMV_M, exact: bool = AWQ_EXACT, out: torch.Tensor | None = None,
-               fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL, path: str | None = None) -> torch.Tensor:
+               fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL, path: str | None = None,
+               scale_a: bool | None = None) -> torch.Tensor:
     """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters, the rows
     from which the weight is dequantized for cuBLAS (dequant_m; default DEQUANT_M, DEQUANT_M_WIDE for N >= WIDE_N),
     the most AWQ rows that take the GEMV (gemv_m), and whether the tile kernel's AWQ path dots the exact codes
@@ -644,9 +645,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     fixup_unroll at a time (the AWQ GEMV). Without dequant_m and path, the dispatch table (kernels/w4a16_configs.json)
     picks the path for M rows; path forces one ("auto", "fused", "dequant"; for layout "tc": "tc", "dequant").
     Layout "tc" (kernels/w4a16_repack.py; g_idx: act-order's K permutation): the tensor-core kernel with the table's
-    launch config, the keywords block_n, block_m, split_k, num_warps, num_stages overriding it."""
+    launch config, the keywords block_n, block_m, split_k, num_warps, num_stages, scale_a overriding it."""
     if layout == "tc":
-        launch = dict(block_n=block_n, block_m=block_m, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+        launch = dict(block_n=block_n, block_m=block_m, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
+                      scale_a=scale_a)
         return _tc(x, qweight, scales, qzeros, g_idx, group_size, out, path, dequant_m, fixup,
                    {k: v for k, v in launch.items() if v is not None})
     K, N = _shape(qweight, scales, layout, bits)
@@ -663,7 +665,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if dequant_m is None and path is None and bits == 4 and layout != "channel":
         path, table_launch = w4a16_dispatch.choose(x.device, N, K, M)
         block_m, block_n, block_k, split_k, num_warps, num_stages = (
-            given if given is not None else table_launch.get(name) for name, given in (
+            given if given is not None else table_launch.get(name) for name, given in (  # scale_a: tc only
                 ("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                 ("num_warps", num_warps), ("num_stages", num_stages)))
     if dequant_m is None:
@@ -738,7 +740,7 @@ def _tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: to
     assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
     if M == 0:
         return out
-    table_path, table_launch = w4a16_dispatch.choose(x.device, N, K, M)
+    table_path, table_launch = w4a16_dispatch.choose_tc(x.device, N, K, M)
     if path is None:
         path = "dequant" if dequant_m is not None and M >= dequant_m else table_path
     o2 = out.view(M, N)

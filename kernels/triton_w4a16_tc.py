@@ -32,39 +32,59 @@ import triton.language as tl
 from vserve.kernels.triton_ops import _ptx, arrival_counts
 
 
-def _unpack_asm(bf16: bool) -> str:
-    """PTX for two words a ($8), b ($9) and their zeros ($10, $11): outputs $j (j = 0..7) = the pair (field j of a
-    minus its zero, field j of b minus its zero) in bf16 or fp16. prmt puts byte k of a in bits 0..7 and byte k of b
-    in bits 16..23; a lop3 ORs its low (or, after a shift, high) nibbles into the mantissa of the magic number M (128
-    in bf16, 1024 in fp16): the exact pair M + q; one packed fma with 1.0 adds -(M + z)."""
+def _unpack_asm(bf16: bool, scaled: bool) -> str:
+    """PTX for two words a ($8), b ($9), their zeros ($10, $11) and, when scaled, their scales as one packed pair
+    ($12): outputs $j (j = 0..7) = the pair (field j of a minus its zero, field j of b minus its zero) in bf16 or
+    fp16, times the scales when scaled. prmt puts byte k of a in bits 0..7 and byte k of b in bits 16..23; a lop3 ORs
+    its low (or, after a shift, high) nibbles into the mantissa of the magic number M (128 in bf16, 1024 in fp16):
+    the exact pair M + q; one packed fma with 1.0 adds -(M + z), exactly; scaled, one more (with -0.0) multiplies by
+    the scales (one rounding)."""
     magic, one, fma = (0x43004300, 0x3F803F80, "fma.rn.bf16x2") if bf16 else (0x64006400, 0x3C003C00, "fma.rn.f16x2")
-    lines = [".reg .b32 p, u, t, one, nz;", f"mov.b32 one, {one:#x};",
+    lines = [".reg .b32 p, u, t, d, one, nz, mz;", f"mov.b32 one, {one:#x};", "mov.b32 mz, 0x80008000;",
              "prmt.b32 t, $10, $11, 0x0400;", f"lop3.b32 t, t, 0x000F000F, {magic:#x}, 0xEA;",
              "or.b32 nz, t, 0x80008000;"]  # -(M + z) for both halves
     for k in range(4):
         lines.append(f"prmt.b32 p, $8, $9, {0x0400 + 0x0101 * k:#x};")
-        lines += [f"lop3.b32 t, p, 0x000F000F, {magic:#x}, 0xEA;", f"{fma} ${2 * k}, t, one, nz;", "shr.b32 u, p, 4;",
-                  f"lop3.b32 t, u, 0x000F000F, {magic:#x}, 0xEA;", f"{fma} ${2 * k + 1}, t, one, nz;"]
+        for j, src in ((2 * k, "p"), (2 * k + 1, "u")):
+            if src == "u":
+                lines.append("shr.b32 u, p, 4;")
+            lines.append(f"lop3.b32 t, {src}, 0x000F000F, {magic:#x}, 0xEA;")
+            lines += [f"{fma} d, t, one, nz;", f"{fma} ${j}, d, $12, mz;"] if scaled else \
+                [f"{fma} ${j}, t, one, nz;"]
     return "{ " + " ".join(lines) + " }"
 
 
-_ASM_BF16: tl.constexpr = tl.constexpr(_unpack_asm(True))
-_ASM_F16: tl.constexpr = tl.constexpr(_unpack_asm(False))
+_ASM_BF16: tl.constexpr = tl.constexpr(_unpack_asm(True, False))
+_ASM_F16: tl.constexpr = tl.constexpr(_unpack_asm(False, False))
+_ASM_BF16_S: tl.constexpr = tl.constexpr(_unpack_asm(True, True))
+_ASM_F16_S: tl.constexpr = tl.constexpr(_unpack_asm(False, True))
+_OUT8: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,")
 
 
 @triton.jit
-def _tc_codes(w, z, DT: tl.constexpr, ASM: tl.constexpr):
-    """The 8 fields of the int32 words w minus the zeros z (int32, broadcast), as 8 tensors of w's shape in DT: exact
-    small integers q - z. Field j is the j-th 16-wide K slice of the tile."""
+def _tc_codes(w, z, s, DT: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr):
+    """The 8 fields of the int32 words w minus the zeros z (int32, broadcast), times the scales s (DT, broadcast)
+    when SCALED, as 8 tensors of w's shape in DT (unscaled: the exact small integers q - z). Field j is the j-th
+    16-wide K slice of the tile."""
+    if ASM and SCALED and DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(_ASM_BF16_S, _OUT8 + "r,r,r,r,r", [w, z, s], dtype=(tl.bfloat16,) * 8,
+                                         is_pure=True, pack=2)
+    if ASM and SCALED and DT == tl.float16:
+        return tl.inline_asm_elementwise(_ASM_F16_S, _OUT8 + "r,r,r,r,r", [w, z, s], dtype=(tl.float16,) * 8,
+                                         is_pure=True, pack=2)
     if ASM and DT == tl.bfloat16:
-        return tl.inline_asm_elementwise(_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, z],
-                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(_ASM_BF16, _OUT8 + "r,r,r,r", [w, z], dtype=(tl.bfloat16,) * 8,
+                                         is_pure=True, pack=2)
     if ASM and DT == tl.float16:
-        return tl.inline_asm_elementwise(_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, z],
-                                         dtype=(tl.float16,) * 8, is_pure=True, pack=2)
-    return ((w & 15) - z).to(DT), (((w >> 4) & 15) - z).to(DT), (((w >> 8) & 15) - z).to(DT), \
-        (((w >> 12) & 15) - z).to(DT), (((w >> 16) & 15) - z).to(DT), (((w >> 20) & 15) - z).to(DT), \
-        (((w >> 24) & 15) - z).to(DT), (((w >> 28) & 15) - z).to(DT)
+        return tl.inline_asm_elementwise(_ASM_F16, _OUT8 + "r,r,r,r", [w, z], dtype=(tl.float16,) * 8, is_pure=True,
+                                         pack=2)
+    c0, c1, c2, c3 = (w & 15) - z, ((w >> 4) & 15) - z, ((w >> 8) & 15) - z, ((w >> 12) & 15) - z
+    c4, c5, c6, c7 = ((w >> 16) & 15) - z, ((w >> 20) & 15) - z, ((w >> 24) & 15) - z, ((w >> 28) & 15) - z
+    if SCALED:  # rounded once, as the asm's fma
+        sf = s.to(tl.float32)
+        return (c0 * sf).to(DT), (c1 * sf).to(DT), (c2 * sf).to(DT), (c3 * sf).to(DT), (c4 * sf).to(DT), \
+            (c5 * sf).to(DT), (c6 * sf).to(DT), (c7 * sf).to(DT)
+    return c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT)
 
 
 @triton.jit
@@ -80,13 +100,15 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, tiles_per_split, n_split,
                stride_xm, stride_qn, stride_sg, stride_zg, stride_om, stride_pk, GROUP: tl.constexpr,
                MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+               SCALE_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for a [BLOCK_N, BLOCK_M] tile of y^T and the 128-wide K tiles of one split.
     GROUP: the group size (a constexpr: no integer division in the loop); a group segment is SEG 16-wide K slices
     (8: groups of 128 or more, one segment a tile; 1, 2, 4: groups of 16, 32, 64). EVEN_K: 128 divides K (no masks
-    along K). MODE 0: one split, written to out; 1: fp32 partials to part_ptr [n_split, M, N], the last program of the
-    output tile (an atomic count in lock_ptr, reset after) sums them in split order into out; 2: partials only (the
-    caller sums them)."""
+    along K). SCALE_A: the scales multiply the weight operand (q - z) s, rounded once to x's dtype as the reference
+    rounds W (one accumulator; cheaper per row for large BLOCK_M), else the dot's fp32 result per group segment (the
+    dot sums exact products; a second accumulator). MODE 0: one split, written to out; 1: fp32 partials to part_ptr
+    [n_split, M, N], the last program of the output tile (an atomic count in lock_ptr, reset after) sums them in
+    split order into out; 2: partials only (the caller sums them)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     SEG: tl.constexpr = 8 if GROUP >= 128 else GROUP // 16
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -99,11 +121,12 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for t in range(t_lo, t_hi):
         w = tl.load(qw_ptr + n[:, None] * stride_qn + (t * 16 + i16)[None, :], mask=n_mask[:, None], other=0)
-        if SEG == 8:  # one group in the tile: its zeros go into the unpack
+        if SEG == 8:  # one group in the tile: its zeros (and scales) go into the unpack
             z = _tc_zeros(z_ptr, (t * 128) // GROUP, n, n_mask, stride_zg, HAS_ZEROS)
-        else:  # smaller groups: each slice's zeros are taken off after it
-            z = tl.zeros((BLOCK_N,), dtype=tl.int32)
-        c = _tc_codes(w, z[:, None], DT, ASM)
+            s = tl.load(s_ptr + ((t * 128) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+            c = _tc_codes(w, z[:, None], s.to(DT)[:, None], DT, ASM, SCALE_A)
+        else:  # smaller groups: each slice's zeros (and scales) are applied after it
+            c = _tc_codes(w, tl.zeros((BLOCK_N, 1), dtype=tl.int32), 1.0, DT, ASM, False)
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for j in tl.static_range(8):
             k = t * 128 + j * 16 + i16
@@ -121,16 +144,20 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
             a = c[j]
             if SEG < 8:
                 if j % SEG == 0:
-                    zs = _tc_zeros(z_ptr, (t * 128 + j * 16) // GROUP, n, n_mask, stride_zg, HAS_ZEROS).to(DT)
-                a = a - zs[:, None]
-            if DT == tl.float32:
-                part = tl.dot(a, xt, part, input_precision="ieee")
+                    g = (t * 128 + j * 16) // GROUP
+                    zs = _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS).to(DT)[:, None]
+                    ss = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                a = a - zs
+                if SCALE_A:
+                    a = (a.to(tl.float32) * ss).to(DT)
+            if SCALE_A:
+                acc = tl.dot(a, xt, acc, input_precision="ieee" if DT == tl.float32 else None)
             else:
-                part = tl.dot(a, xt, part)
-            if (j + 1) % SEG == 0:  # the segment's group: its scales, once per output
-                s = tl.load(s_ptr + ((t * 128 + j * 16) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
-                acc += part * s.to(tl.float32)[:, None]
-                part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                part = tl.dot(a, xt, part, input_precision="ieee" if DT == tl.float32 else None)
+                if (j + 1) % SEG == 0:  # the segment's group: its scales, once per output, on the fp32 sums
+                    sp = tl.load(s_ptr + ((t * 128 + j * 16) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+                    acc += part * sp.to(tl.float32)[:, None]
+                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     mask = n_mask[:, None] & m_mask[None, :]
     if MODE == 0:
         tl.store(out_ptr + m[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -174,21 +201,24 @@ def _tc_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, stride_sg
 def tc_default_config(M: int, N: int, K: int, sms: int) -> dict:
     """Launch parameters where the table has none (not tuned on a GPU): 128 outputs a program; as many rows as M
     asks up to 128; K split until the programs fill the GPU twice over, each split keeping 2 or more K tiles and the
-    fp32 partials (written and read: 8 M N bytes a split) no more bytes than the weight (N K / 2)."""
+    fp32 partials (written and read: 8 M N bytes a split) no more bytes than the weight (N K / 2); scales on the
+    weight operand from 64 rows a tile (one accumulator instead of two)."""
     block_m = min(128, max(16, triton.next_power_of_2(M)))
     tiles = triton.cdiv(N, 128) * triton.cdiv(M, block_m)
     k_tiles = triton.cdiv(K, 128)
     split = 1
     while tiles * split < 2 * sms and k_tiles // (split * 2) >= 2 and 16 * M * split * 2 <= K:
         split *= 2
-    return dict(block_n=128, block_m=block_m, split_k=split, num_warps=4, num_stages=3)
+    return dict(block_n=128, block_m=block_m, split_k=split, num_warps=4, num_stages=3, scale_a=block_m >= 64)
 
 
 def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
             perm: torch.Tensor | None, group_size: int, out2: torch.Tensor, *, block_n: int, block_m: int,
-            split_k: int, num_warps: int, num_stages: int, fixup: bool = True) -> torch.Tensor:
+            split_k: int, num_warps: int, num_stages: int, scale_a: bool = False, fixup: bool = True,
+            asm: bool | None = None) -> torch.Tensor:
     """out2 [M, N] = x2 [M, K] @ W^T for W in the tc layout (group_size: the repack's). Launch keywords as in
-    tc_default_config; fixup=False sums the K-split partials in a second kernel (torch.sum, also in split order)."""
+    tc_default_config; fixup=False sums the K-split partials in a second kernel (torch.sum, also in split order);
+    asm=False: the plain-Triton unpack on an NVIDIA GPU too (a check of the PTX)."""
     M, K = x2.shape
     N = qweight.shape[0]
     assert qweight.shape[1] * 8 >= K and x2.stride(1) == 1 and out2.stride(1) == 1, (qweight.shape, K)
@@ -205,8 +235,9 @@ def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
                      counts if counts is not None else part, M, N, K, per_split, split, x2.stride(0), qweight.stride(0),
                      scales.stride(0), z.stride(0), out2.stride(0), part.stride(0) if split > 1 else 0,
                      GROUP=group_size, MODE=mode, HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None,
-                     EVEN_K=K % 128 == 0, BLOCK_N=block_n,
-                     BLOCK_M=block_m, ASM=_ptx() and x2.dtype != torch.float32, num_warps=num_warps,
+                     EVEN_K=K % 128 == 0, SCALE_A=scale_a, BLOCK_N=block_n,
+                     BLOCK_M=block_m, ASM=(_ptx() if asm is None else asm) and x2.dtype != torch.float32,
+                     num_warps=num_warps,
                      num_stages=num_stages)
     if mode == 2:
         torch.sum(part, 0, out=out2)

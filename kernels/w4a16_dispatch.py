@@ -11,9 +11,10 @@ The table is keyed by device name (torch.cuda.get_device_name; "cpu" for the CPU
   "auto" (today's thresholds: AWQ GEMV, the split-K tile kernel, the tiled kernel, then dequantize + cuBLAS),
   "fused" (never dequantize) or "dequant" (always);
 - layout "tc": the layer repacks its weight once at load (kernels/w4a16_repack.py); row paths "tc" (the tensor-core
-  kernel, kernels/triton_w4a16_tc.py, launch keywords block_n, block_m, split_k, num_warps, num_stages; missing ones
-  from tc_default_config) or "dequant" (dequantize the tc layout + cuBLAS).
-A row entry serves M from its key up to the next key (the smallest key serves anything below it). Missing rows: path
+  kernel, kernels/triton_w4a16_tc.py, launch keywords block_n, block_m, split_k, num_warps, num_stages, scale_a;
+  missing ones from tc_default_config) or "dequant" (dequantize the tc layout + cuBLAS).
+A row entry serves M from its key up to the next key (the smallest key serves anything below it); keys starting with
+"_" are notes (measured times). Missing rows: path
 "auto" (checkpoint) or "tc" (tc). The file as committed maps everything to "checkpoint"/"auto": today's behaviour,
 so an untuned table never makes the engine slower; benchmarks/kernels/w4a16.py --tune writes tuned entries.
 """
@@ -29,7 +30,7 @@ import torch
 
 CONFIG_FILE = Path(__file__).with_name("w4a16_configs.json")
 PATHS = {"checkpoint": ("auto", "fused", "dequant"), "tc": ("tc", "dequant")}
-LAUNCH_KEYS = ("block_n", "block_m", "split_k", "num_warps", "num_stages")
+LAUNCH_KEYS = ("block_n", "block_m", "split_k", "num_warps", "num_stages", "scale_a")
 
 
 @cache
@@ -45,7 +46,7 @@ def table(path: str | None = None) -> dict:
             if not m.isdigit() or row.get("path", PATHS[layout][0]) not in PATHS[layout]:
                 raise ValueError(f"{path}: {where}: rows[{m!r}] = {row}: keys are row counts and paths for layout "
                                  f"{layout} are {', '.join(PATHS[layout])}")
-            unknown = set(row) - {"path", *LAUNCH_KEYS}
+            unknown = {k for k in row if not k.startswith("_")} - {"path", *LAUNCH_KEYS}  # "_...": notes
             if unknown:
                 raise ValueError(f"{path}: {where}: rows[{m!r}] has unknown keys {sorted(unknown)}")
     return t
@@ -85,13 +86,20 @@ def _row(dev: str, N: int, K: int, M: int, t_id: int) -> tuple[str, tuple]:
     keys = sorted(int(k) for k in rows)
     row = dict(rows[str(max([k for k in keys if k <= M], default=keys[0]))]) if keys else {}
     path = row.pop("path", PATHS[layout][0])
-    return path, tuple(sorted(row.items()))
+    return path, tuple(sorted((k, v) for k, v in row.items() if not k.startswith("_")))
 
 
 def choose(device: torch.device, N: int, K: int, M: int) -> tuple[str, dict]:
     """(path, launch keywords given by the table) for M rows through an [N, K] weight on device."""
     path, launch = _row(device_name(device), N, K, M, id(table()))
     return path, dict(launch)
+
+
+def choose_tc(device: torch.device, N: int, K: int, M: int) -> tuple[str, dict]:
+    """choose() for a weight in the tc layout: the table's row where its entry for the shape is "tc", else ("tc", {})
+    (a tc weight the table does not know: the kernel with its default launch)."""
+    path, launch = choose(device, N, K, M)
+    return (path, launch) if path in PATHS["tc"] else ("tc", {})
 
 
 def bucket(M: int) -> int:

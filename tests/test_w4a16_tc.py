@@ -81,9 +81,10 @@ def test_act_order_slices_of_uneven_groups_are_not_repacked():
 CASES = [  # layout, N, K, group, M, launch: masked tails in M (5, 17, 33 of 16/32-row tiles), N (40 of 32) and K
     ("awq", 40, 256, 128, 5, dict(block_n=32, block_m=16, split_k=1)),
     ("awq", 40, 384, 64, 17, dict(block_n=32, block_m=16, split_k=3)),  # 3 splits of one tile, groups of 64
-    ("gptq", 24, 320, 32, 3, dict(block_n=16, block_m=16, split_k=2)),  # K tail: 320 = 2.5 tiles, groups of 32
+    ("awq", 40, 384, 128, 17, dict(block_n=32, block_m=16, split_k=2, scale_a=True)),  # scales on the weights
+    ("gptq", 24, 320, 32, 3, dict(block_n=16, block_m=16, split_k=2, scale_a=True)),  # K tail: 2.5 tiles, group 32
     ("gptq-act", 24, 320, 64, 33, dict(block_n=16, block_m=32, split_k=2)),  # act-order: x read through perm
-    ("gptq-act", 32, 256, 128, 2, dict(block_n=32, block_m=16, split_k=2)),
+    ("gptq-act", 32, 256, 128, 2, dict(block_n=32, block_m=16, split_k=2, scale_a=True)),
     ("pack", 20, 200, 200, 17, dict(block_n=16, block_m=32, split_k=2)),  # per-channel, K tail in the only group
 ]
 
@@ -127,9 +128,11 @@ def test_default_launch_configs_fill_the_gpu_and_run():
     """tc_default_config (shapes without a tuned entry): 128 outputs a program, rows up to 128 a tile, K split while
     the programs do not fill 132 SMs twice (each split keeping >= 2 K tiles, the partials' bytes <= the weight's)."""
     cfg = triton_w4a16_tc.tc_default_config
-    assert cfg(1, 4096, 4096, 132) == dict(block_n=128, block_m=16, split_k=16, num_warps=4, num_stages=3)
+    assert cfg(1, 4096, 4096, 132) == dict(block_n=128, block_m=16, split_k=16, num_warps=4, num_stages=3,
+                                           scale_a=False)
     assert cfg(8, 28672, 4096, 132)["split_k"] == 2
-    assert cfg(256, 4096, 14336, 132) == dict(block_n=128, block_m=128, split_k=2, num_warps=4, num_stages=3)
+    assert cfg(256, 4096, 14336, 132) == dict(block_n=128, block_m=128, split_k=2, num_warps=4, num_stages=3,
+                                              scale_a=True)
     assert cfg(128, 6144, 4096, 132)["split_k"] == 2 and cfg(4096, 28672, 4096, 132)["split_k"] == 1
 
 
@@ -176,15 +179,19 @@ def _run_ptx(asm: str, regs: dict) -> dict:
 def test_the_ptx_unpack_gives_each_field_minus_its_zero(dtype):
     """_unpack_asm's PTX (what the GPU runs; the interpreter runs Triton integer ops): two words and their zeros in,
     output j = the pair (field j of word a - z_a, field j of word b - z_b), exact, a's in the low half (element 0 of
-    Triton's packed pair)."""
-    asm = triton_w4a16_tc._unpack_asm(dtype == torch.bfloat16)
+    Triton's packed pair); with a pair of scales, times them, rounded once."""
     rng = random.Random(0)
-    for _ in range(64):
-        wa, wb, za, zb = rng.getrandbits(32), rng.getrandbits(32), rng.randrange(16), rng.randrange(16)
-        env = _run_ptx(asm, {"$8": wa, "$9": wb, "$10": za, "$11": zb})
-        for j in range(8):
-            pair = torch.tensor([env[f"${j}"] & 0xFFFF, env[f"${j}"] >> 16], dtype=torch.int32).to(torch.int16)
-            assert pair.view(dtype).tolist() == [((wa >> 4 * j) & 15) - za, ((wb >> 4 * j) & 15) - zb], (j, wa, wb)
+    for scaled in (False, True):
+        asm = triton_w4a16_tc._unpack_asm(dtype == torch.bfloat16, scaled)
+        for _ in range(32):
+            wa, wb, za, zb = rng.getrandbits(32), rng.getrandbits(32), rng.randrange(16), rng.randrange(16)
+            s = torch.rand(2).to(dtype) if scaled else torch.ones(2, dtype=dtype)
+            s_pair = s.view(torch.int16).to(torch.int32) & 0xFFFF
+            env = _run_ptx(asm, {"$8": wa, "$9": wb, "$10": za, "$11": zb, "$12": int(s_pair[0] | s_pair[1] << 16)})
+            for j in range(8):
+                pair = torch.tensor([env[f"${j}"] & 0xFFFF, env[f"${j}"] >> 16], dtype=torch.int32).to(torch.int16)
+                expected = (torch.tensor([((wa >> 4 * j) & 15) - za, ((wb >> 4 * j) & 15) - zb]) * s.float()).to(dtype)
+                assert torch.equal(pair.view(dtype), expected), (j, wa, wb, scaled)
 
 
 # ---- the dispatch table ------------------------------------------------------------------------------------------
@@ -257,3 +264,19 @@ def test_a_layer_repacks_once_at_load_where_the_table_says(table_file):
     assert layers[48].quant_method.layout == "tc" and {"qweight", "scales", "qzeros", "perm"} == \
         {name for name, _ in layers[48].named_parameters()}
     assert layers[40].quant_method.layout == "gptq" and hasattr(layers[40], "g_idx")
+
+
+def test_the_benchmark_script_runs_on_cpu(tmp_path):
+    """benchmarks/kernels/w4a16_tc.py --cpu-smoke: its check, compare and tune on a tiny shape under the interpreter
+    (the numbers mean nothing), writing its JSON, its markdown table and a dispatch table the loader accepts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / "w4a16_tc.py"
+    res = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--out", str(tmp_path)], capture_output=True,
+                         text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert (tmp_path / "w4a16_tc.md").read_text().count("| 256x64 |") == 2
+    tuned = w4a16_dispatch.table(str(tmp_path / "w4a16_configs.json"))
+    assert set(tuned["devices"]["cpu"]["shapes"]["N=64,K=256"]["rows"]) == {"1", "5"}
