@@ -111,7 +111,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
     split order into out; 2: partials only (the caller sums them)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     SEG: tl.constexpr = 8 if GROUP >= 128 else GROUP // 16
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row tiles of one weight tile together
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask, m_mask = n < N, m < M
@@ -166,7 +166,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
         tl.store(part_at + pid_k.to(tl.int64) * stride_pk, acc, mask=mask)
         if MODE == 1:  # the last program of this output tile to finish sums the partials, in split order
             tl.debug_barrier()  # every thread's partial is stored before the count
-            tile = pid_m * tl.num_programs(0) + pid_n
+            tile = pid_n * tl.num_programs(0) + pid_m
             done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == n_split - 1:
                 tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -226,7 +226,7 @@ def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
     split = max(1, min(split_k, tiles))
     per_split = triton.cdiv(tiles, split)
     split = triton.cdiv(tiles, per_split)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)  # the row tiles of a weight tile share it in L2
     counts = arrival_counts(x2.device, grid[0] * grid[1]) if fixup and split > 1 else None
     mode = 0 if split == 1 else 1 if counts is not None else 2
     part = out2 if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
