@@ -5,6 +5,7 @@ step finds them).
     python benchmarks/kernels/w4a16_tc.py --check --out $OUT     # H100: ~1.5 min
     python benchmarks/kernels/w4a16_tc.py --compare --out $OUT   # ~2.5 min (+ gemlite where importable)
     python benchmarks/kernels/w4a16_tc.py --tune --out $OUT      # ~4 min: OUT/w4a16_configs.json
+    python benchmarks/kernels/w4a16_tc.py --tune --compare --out $OUT   # ~6 min: --compare at the tuned launches
     python benchmarks/kernels/w4a16_tc.py --cpu-smoke --out /tmp/w4tc   # tiny shapes, TRITON_INTERPRET=1
 
 --check: every layout the repack takes (AWQ, GPTQ, GPTQ act-order, compressed-tensors pack) in bf16 (and AWQ in fp16)
@@ -22,7 +23,7 @@ the best three at 2 and 4 stages), its dequantize + cuBLAS path and today's path
 committed table with this device's entries added: layout "tc" for a shape only where the tc paths are faster over
 the buckets summed and not slower at M = 1 (--batch1-slack), each bucket's row the faster of "tc" (its best
 launch) and "dequant"; rows carry the measured ms under "_ms". Copy it to kernels/w4a16_configs.json, or point
-VSERVE_W4A16_CONFIGS at it.
+VSERVE_W4A16_CONFIGS at it. With --compare in the same run, `tc` is timed at the tuned path and launch of each M.
 Results: OUT/w4a16_tc.json and a markdown table OUT/w4a16_tc.md. TRITON_CACHE_DIR kept between runs saves the
 compiles (most of --tune's time).
 """
@@ -179,7 +180,10 @@ def _gemlite_setup() -> str | None:
 # ---- compare -----------------------------------------------------------------------------------------------------
 
 
-def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool) -> list[dict]:
+def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool,
+            tuned: dict | None = None) -> list[dict]:
+    """tuned: {(K, N, M): (path, launch)} from --tune in the same run (its best tc path and launch at every M, also
+    where it left the shape on the checkpoint layout); else the table's or the defaults."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16, w4a16_dispatch
@@ -196,11 +200,14 @@ def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool)
             io = M * K * 2 + M * N * 2
             row = dict(K=K, N=N, shape=NAMES.get((K, N), f"{K}x{N}"), M=M,
                        tc_path=w4a16_dispatch.choose_tc(x.device, N, K, M)[0])
+            path, launch = (tuned or {}).get((K, N, M), (None, {}))
+            if path is not None:
+                row["tc_path"] = f"{path} (tuned)"
             row["bf16_ms"] = time_ms(partial(torch.nn.functional.linear, x), dev, bf16, **timing)
             row["today_ms"] = time_ms(lambda qw, s, z, _x=x: triton_w4a16.w4a16_gemm(_x, qw, s, z, None, "awq", 4,
                                                                                      GROUP), dev, awq, **timing)
-            row["tc_ms"] = time_ms(lambda qw, s, z, p, gs, _x=x: triton_w4a16.w4a16_gemm(_x, qw, s, z, p, "tc", 4, gs),
-                                   dev, tc, **timing)
+            row["tc_ms"] = time_ms(lambda qw, s, z, p, gs, _x=x, _kw=dict(launch, path=path): triton_w4a16.w4a16_gemm(
+                _x, qw, s, z, p, "tc", 4, gs, **_kw), dev, tc, **timing)
             if gl:
                 row["gemlite_ms"] = time_ms(lambda g, _x=x: g(_x), dev, [(g,) for g in gl], **timing)
             for k in [k for k in row if k.endswith("_ms")]:
@@ -378,14 +385,16 @@ def main(argv: list[str] | None = None) -> int:
         bad = [r for r in res["check"] if r["ok"] is False]
         log(f"check: {sum(r['ok'] is True for r in res['check'])}/{sum(r['ok'] is not None for r in res['check'])} ok"
             + "".join(f"\n  FAIL {r}" for r in bad))
-    if args.compare:
-        res["compare"] = compare(dev, shapes, rows, dtype, cold, timing, args.cpu_smoke)
-    if args.tune:
-        if args.cpu_smoke:
-            timing = dict(iters=1, repeats=1, warmup=1)
-        table, res["tune"] = tune(dev, shapes, rows, dtype, cold, timing, args.batch1_slack)
+    tuned = None
+    if args.tune:  # before --compare, which then times the tuned launches
+        table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
+                                  args.cpu_smoke else timing, args.batch1_slack)
         (out / "w4a16_configs.json").write_text(json.dumps(table, indent=1) + "\n")
         log(f"tuned table: {out / 'w4a16_configs.json'}")
+        tuned = {(r["K"], r["N"], r["M"]): ("tc", r["best"]) if r["tc_ms"] <= r["dequant_ms"] else ("dequant", {})
+                 for r in res["tune"]}
+    if args.compare:
+        res["compare"] = compare(dev, shapes, rows, dtype, cold, timing, args.cpu_smoke, tuned)
     (out / "w4a16_tc.json").write_text(json.dumps(res, indent=1, default=str))
     (out / "w4a16_tc.md").write_text(markdown(res))
     print(markdown(res))
