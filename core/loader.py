@@ -240,6 +240,10 @@ def build_model(cfg: ModelConfig, path: Path, fmt: str, dtype: torch.dtype, devi
         files = safetensors_files(path)
         total = count_safetensors(files)
         load_weights(model, progress_bar(iter_safetensors(files), total, "Loading weights"))
+    for module in model.modules():  # repacking for the kernels, once (kernels/w4a16_configs.json decides W4A16's)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
 
 

@@ -19,6 +19,10 @@ Four paths by the number of rows M:
   cuBLAS (writing and reading a bf16 weight costs less than the tile kernel's dequantization per row tile; one
   buffer of the largest layer's size serves every layer, dequant_buffer).
 No call syncs with the host, so decode steps can be captured in CUDA graphs.
+
+Which of these runs at each row count, and whether a weight is instead repacked at load into the "tc" layout for the
+tensor-core kernel (kernels/triton_w4a16_tc.py), is the data of kernels/w4a16_configs.json (kernels/w4a16_dispatch.py);
+the committed table keeps the thresholds above.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vserve.kernels import triton_w4a16_tc, w4a16_dispatch
 from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch
 
 # The tuned defaults of w4a16_gemm's keywords (docs/performance.md has the H200 runs; benchmarks/kernels/w4a16.py
@@ -47,6 +52,7 @@ AWQ_EXACT = True  # exact: the tile kernel's AWQ path, x times the exact codes m
 _DEQUANT_BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # see dequant_buffer
 _OUTGROWN: list[torch.Tensor] = []
 _LAYOUT_IDS = {"awq": 0, "gptq": 1, "channel": 2, "pack": 3}
+_FORCED = {"fused": 1 << 62, "dequant": 1}  # dequant_m of the checkpoint layout's forced row paths
 
 
 @triton.jit
@@ -629,13 +635,22 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, dequant_m: int | None = None,
                gemv_m: int = AWQ_GEMV_M, exact: bool = AWQ_EXACT, out: torch.Tensor | None = None,
-               fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL) -> torch.Tensor:
+               fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL, path: str | None = None,
+               scale_a: bool | None = None) -> torch.Tensor:
     """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters, the rows
     from which the weight is dequantized for cuBLAS (dequant_m; default DEQUANT_M, DEQUANT_M_WIDE for N >= WIDE_N),
     the most AWQ rows that take the GEMV (gemv_m), and whether the tile kernel's AWQ path dots the exact codes
     (exact); out: a contiguous [..., N] buffer to write into; fixup=False: the AWQ GEMV and the tile kernel sum
     their K-split partials in a second kernel instead of in their last program per output block, which loads them
-    fixup_unroll at a time (the AWQ GEMV)."""
+    fixup_unroll at a time (the AWQ GEMV). Without dequant_m and path, the dispatch table (kernels/w4a16_configs.json)
+    picks the path for M rows; path forces one ("auto", "fused", "dequant"; for layout "tc": "tc", "dequant").
+    Layout "tc" (kernels/w4a16_repack.py; g_idx: act-order's K permutation): the tensor-core kernel with the table's
+    launch config, the keywords block_n, block_m, split_k, num_warps, num_stages, scale_a overriding it."""
+    if layout == "tc":
+        launch = dict(block_n=block_n, block_m=block_m, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
+                      scale_a=scale_a)
+        return _tc(x, qweight, scales, qzeros, g_idx, group_size, out, path, dequant_m, fixup,
+                   {k: v for k, v in launch.items() if v is not None})
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
     x2 = x.reshape(-1, K)
@@ -647,8 +662,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
     if M == 0:
         return out
+    if dequant_m is None and path is None and bits == 4 and layout != "channel":
+        path, table_launch = w4a16_dispatch.choose(x.device, N, K, M)
+        block_m, block_n, block_k, split_k, num_warps, num_stages = (
+            given if given is not None else table_launch.get(name) for name, given in (  # scale_a: tc only
+                ("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
+                ("num_warps", num_warps), ("num_stages", num_stages)))
     if dequant_m is None:
-        dequant_m = DEQUANT_M_WIDE if N >= WIDE_N else DEQUANT_M
+        dequant_m = _FORCED.get(path, DEQUANT_M_WIDE if N >= WIDE_N else DEQUANT_M)
     if M >= dequant_m:
         w = w4a16_dequantize(qweight, scales, qzeros, g_idx, layout, bits, group_size, x.dtype,
                              out=dequant_buffer(x.device, x.dtype, N * K).view(N, K))
@@ -699,4 +720,38 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
             return out
     if split > 1:
         torch.sum(dst, 0, out=out.view(M, N))  # the partials in a fixed order: deterministic
+    return out
+
+
+def _tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+        perm: torch.Tensor | None, group_size: int, out: torch.Tensor | None, path: str | None, dequant_m: int | None,
+        fixup: bool, launch: dict) -> torch.Tensor:
+    """w4a16_gemm on the tc layout: the table's path and launch for M rows (keywords given win), the tensor-core
+    kernel or the weight dequantized into the shared buffer (in the repacked K order: act-order's x goes through perm)
+    and cuBLAS."""
+    N, K = qweight.shape[0], x.shape[-1]
+    assert qweight.shape[1] * 8 - 128 < K <= qweight.shape[1] * 8, (x.shape, qweight.shape)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if out is None:
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
+    if M == 0:
+        return out
+    table_path, table_launch = w4a16_dispatch.choose_tc(x.device, N, K, M)
+    if path is None:
+        path = "dequant" if dequant_m is not None and M >= dequant_m else table_path
+    o2 = out.view(M, N)
+    if path == "dequant":
+        w = triton_w4a16_tc.tc_dequantize(qweight, scales, qzeros, group_size, K, x.dtype,
+                                          out=dequant_buffer(x.device, x.dtype, N * K).view(N, K))
+        torch.matmul(x2 if perm is None else x2.index_select(1, perm), w.t(), out=o2)
+        return out
+    assert path == "tc", path
+    cfg = triton_w4a16_tc.tc_default_config(M, N, K, _num_sms(x.device.index) if x.device.type == "cuda" else 4)
+    cfg.update(table_launch)
+    cfg.update(launch)
+    triton_w4a16_tc.tc_gemm(x2, qweight, scales, qzeros, perm, group_size, o2, fixup=fixup, **cfg)
     return out

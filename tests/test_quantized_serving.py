@@ -197,6 +197,29 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(checkpoint
     assert _greedy(quant) == expected  # the method is read from config.json
 
 
+@pytest.mark.parametrize("name", ["awq", "gptq4-act-order", "ct-w4a16-pack"])
+def test_the_repacked_tensor_core_layout_generates_the_dequantized_models_tokens(checkpoints, tmp_path, monkeypatch,
+                                                                                name):
+    """A W4A16 table that repacks every 4-bit weight on this device (kernels/w4a16_configs.json's layout "tc";
+    K = 64 and 128 here: padded to a 128-wide tile): every decoder linear is repacked at load, and the model still
+    generates the dequantized model's greedy tokens (on CPU the reference computes from the tc layout)."""
+    from vserve.kernels import w4a16_dispatch
+
+    table = tmp_path / "w4a16_configs.json"
+    table.write_text(json.dumps({"devices": {"cpu": {"default": {"layout": "tc"}}}}))
+    monkeypatch.setenv("VSERVE_W4A16_CONFIGS", str(table))
+    w4a16_dispatch.reload()
+    try:
+        quant, deq = checkpoints(name)
+        model = build_model(_config(quant), quant, "safetensors", torch.float32, torch.device("cpu"))
+        methods = [m.quant_method for m in model.modules() if hasattr(getattr(m, "quant_method", None), "tensors")]
+        assert methods and all(m.layout == "tc" for m in methods)
+        assert _greedy(quant) == _greedy(deq)
+    finally:
+        monkeypatch.delenv("VSERVE_W4A16_CONFIGS")
+        w4a16_dispatch.reload()
+
+
 def test_awq_tensor_parallel_2_gives_the_tp1_tokens(checkpoints):
     """Column-parallel q/k/v and gate/up split qweight/qzeros/scales along dim 1 in units of 8 columns;
     row-parallel o/down split them along dim 0 by groups."""

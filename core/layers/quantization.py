@@ -12,7 +12,9 @@ explicit --quantization); `QuantConfig.linear_method(prefix)` gives each Linear 
 
 A method registers the checkpoint's own tensors on the layer (names, dtypes and shapes as stored, split over TP
 ranks by the layer's weight_loader using each parameter's output_dim/input_dim and packing) and dequantizes in
-its kernels, never at load.
+its kernels, never at load. After loading, process_weights_after_loading may repack them once: 4-bit codes go
+into the tensor-core layout (kernels/w4a16_repack.py) where the W4A16 dispatch table (kernels/w4a16_configs.json)
+asks for it on this device and shape.
 """
 
 from __future__ import annotations
@@ -242,6 +244,9 @@ class LinearMethod:
     def init_dummy(self, layer: nn.Module, generator: torch.Generator) -> None:
         raise NotImplementedError
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once, after the checkpoint (or dummy) tensors are in place: any repacking for the kernels."""
+
 
 class UnquantizedMethod(LinearMethod):
     """weight [out, in] in the model dtype."""
@@ -296,16 +301,49 @@ class GroupQuantMethod(LinearMethod):
             make_param(layer, "weight_packed", (N, K // per), i32, 0, 1, in_pack=per)
             make_param(layer, "weight_scale", (N, groups), torch.float32, 0, 1, **kw)
 
+    tc_group_size: int | None = None  # set when the weight was repacked into the "tc" layout
+
+    @property
+    def layout(self) -> str:
+        return "tc" if self.tc_group_size else self.cfg.layout
+
     def tensors(self, layer: nn.Module) -> tuple:
-        """(codes, scales, zeros, g_idx) as w4a16_gemm takes them."""
+        """(codes, scales, zeros, g_idx) as w4a16_gemm takes them (tc: g_idx is act-order's K permutation)."""
+        if self.tc_group_size:
+            return layer.qweight, layer.scales, getattr(layer, "qzeros", None), getattr(layer, "perm", None)
         if self.cfg.layout == "pack":
             return layer.weight_packed, layer.weight_scale, None, None
         g_idx = layer.g_idx if self.cfg.layout == "gptq" and self.cfg.desc_act else None
         return layer.qweight, layer.scales, layer.qzeros, g_idx
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = for_device(x).w4a16_gemm(x, *self.tensors(layer), self.cfg.layout, self.cfg.bits, self.group_size)
+        y = for_device(x).w4a16_gemm(x, *self.tensors(layer), self.layout, self.cfg.bits,
+                                     self.tc_group_size or self.group_size)
         return y if bias is None else y + bias
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack 4-bit AWQ / GPTQ / pack-quantized codes into the tensor-core layout where the dispatch table says
+        so for this device and shape (kernels/w4a16_dispatch.py; the committed table never does until tuned). Weights
+        the layout cannot hold keep the checkpoint's: 8-bit codes, groups not a multiple of 16 (or of 128 above it),
+        a row-parallel rank's slice of an act-order layer (its groups of uneven sizes)."""
+        from vserve.kernels.w4a16_dispatch import layout_for
+        from vserve.kernels.w4a16_repack import act_order_perm, repack, tc_group_size
+
+        cfg, (codes, scales, zeros, g_idx) = self.cfg, self.tensors(layer)
+        K, N = layer.in_features, layer.out_features
+        if cfg.bits != 4 or layout_for(codes.device, N, K) != "tc" or tc_group_size(self.group_size, K) is None:
+            return
+        if g_idx is not None and act_order_perm(g_idx, self.group_size) is None:
+            return
+        qweight, scales, qzeros, perm, group = repack(codes, scales, zeros, g_idx, cfg.layout, 4, self.group_size, K,
+                                                      N)
+        for name in ("qweight", "qzeros", "scales", "weight_packed", "weight_scale") + (("g_idx",) if perm is not None
+                                                                                        else ()):
+            layer._parameters.pop(name, None)
+        for name, t in (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("perm", perm)):
+            if t is not None:
+                layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        self.tc_group_size = group
 
     def init_dummy(self, layer: nn.Module, generator: torch.Generator) -> None:
         """Random codes, zero points at mid-range, scales giving weights of std ~0.02 (as the dummy floats)."""
