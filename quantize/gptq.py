@@ -33,7 +33,7 @@ def quantize_gptq(
         raise ValueError(f"group_size must divide in_features ({n}), got {group_size}")
     if H.shape != (n, n):
         raise ValueError(f"H must be [{n}, {n}], got {tuple(H.shape)}")
-    scales = torch.zeros(out_features, n // group_size, dtype=torch.float64)
+    scales = torch.zeros(out_features, n // group_size, dtype=torch.float64, device=w.device)
     zeros = torch.zeros_like(scales)
     params: list[torch.Tensor] = []
 
@@ -46,10 +46,10 @@ def quantize_gptq(
         codes[:, col] = c
         return (c - zero) * scale
 
-    codes = torch.zeros(out_features, n, dtype=torch.float64)
+    codes = torch.zeros(out_features, n, dtype=torch.float64, device=w.device)
     perm = error_feedback(w, H, round_column, percdamp, block_size, act_order)
     invperm = torch.argsort(perm)
-    g_idx = (torch.arange(n) // group_size)[invperm].to(torch.int32)
+    g_idx = (torch.arange(n, device=w.device) // group_size)[invperm].to(torch.int32)
     return codes[:, invperm].to(torch.int32), zeros.to(torch.int32), scales.float(), g_idx
 
 
@@ -65,9 +65,9 @@ def error_feedback(w: torch.Tensor, H: torch.Tensor, round_column, percdamp: flo
     dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
     H[dead, dead] = 1
     W[:, dead] = 0
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n, device=H.device)
     W, H = W[:, perm], H[perm][:, perm]
-    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(n, dtype=H.dtype)
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(n, dtype=H.dtype, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
@@ -93,7 +93,7 @@ def quantize_gptq_channel(w: torch.Tensor, H: torch.Tensor, kind: str, percdamp:
     from vserve.quantize.w8a8 import quantize_weight, round_to_grid
 
     _, scale = quantize_weight(w, kind)
-    q = torch.zeros(w.shape, dtype=torch.float32)  # in the sweep's column order, put back below
+    q = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # in the sweep's column order, put back below
     s64 = scale.double()[:, 0]
 
     def round_column(col: int, w_col: torch.Tensor, upcoming) -> torch.Tensor:

@@ -45,7 +45,7 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128) -> tuple
 
 def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     """(q - z) * s in float32 [out, in], where input channel i uses group g_idx[i] of zeros/scales [out, groups]."""
-    g = g_idx.long()
+    g = g_idx.long().to(q.device)
     return (q.float() - zeros.float()[:, g]) * scales.float()[:, g]
 
 
