@@ -140,3 +140,16 @@ def test_search_dtype_swap_restores_the_parameters():
     with _dtype(lin, torch.bfloat16):
         assert lin.weight.dtype == lin.bias.dtype == torch.bfloat16
     assert lin.weight.data_ptr() == ptr and torch.equal(lin.weight, w) and lin.bias.dtype == torch.float32
+
+
+def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit():
+    """AWQ's grid and clipping call fake_quantize about 30 times per group: it skips the int codes and the g_idx
+    gather, and must still give exactly the numbers the stored tensors dequantize to."""
+    from vserve.quantize.rtn import dequantize, fake_quantize, group_index, quantize_rtn
+
+    g = torch.Generator().manual_seed(0)
+    for bits, group in ((4, 32), (4, 64), (8, 128)):
+        w = torch.randn(48, 256, generator=g) * torch.rand(1, 256, generator=g) * 3
+        w[0, :group] = 0  # an all-zero group
+        ref = dequantize(*quantize_rtn(w, bits, group), group_index(256, group))
+        assert torch.equal(fake_quantize(w, bits, group), ref)
