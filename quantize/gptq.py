@@ -39,7 +39,7 @@ def quantize_gptq(
 
     def round_column(col: int, w_col: torch.Tensor, upcoming) -> torch.Tensor:
         if col % group_size == 0:  # group parameters from the weights as updated so far
-            params[:] = quant_params(upcoming()[:, :group_size], bits, sym)
+            params[:] = quant_params(upcoming(group_size), bits, sym)
             scales[:, col // group_size], zeros[:, col // group_size] = params
         scale, zero = params
         c = quantize_codes(w_col, scale, zero, bits)
@@ -56,7 +56,7 @@ def quantize_gptq(
 def error_feedback(w: torch.Tensor, H: torch.Tensor, round_column, percdamp: float = 0.01, block_size: int = 128,
                    act_order: bool = False) -> torch.Tensor:
     """GPTQ's sweep over the columns of w [out, in] (in float64): round_column(col, column, upcoming) returns the
-    column as rounded (dequantized), upcoming() the not yet rounded columns from col on as updated so far;
+    column as rounded (dequantized), upcoming(k) the k not yet rounded columns from col on as updated so far;
     each column's rounding error goes onto the later columns through the damped inverse Hessian. Returns the
     column order used (act_order: decreasing diag(H))."""
     n = w.shape[1]
@@ -76,12 +76,17 @@ def error_feedback(w: torch.Tensor, H: torch.Tensor, round_column, percdamp: flo
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            rounded = round_column(col, W1[:, i], lambda W1=W1, i=i, i2=i2: torch.cat([W1[:, i:], W[:, i2:]], dim=1))
+            rounded = round_column(col, W1[:, i], lambda k, W1=W1, i=i, i2=i2: _columns(W1[:, i:], W[:, i2:], k))
             err = (W1[:, i] - rounded) / Hinv1[i, i]
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the lazy update: later blocks see this block's error once
     return perm
+
+
+def _columns(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """The first k columns of [a, b] (only those copied: b can be most of a large weight)."""
+    return a[:, :k] if a.shape[1] >= k else torch.cat([a, b[:, :k - a.shape[1]]], dim=1)
 
 
 def quantize_gptq_channel(w: torch.Tensor, H: torch.Tensor, kind: str, percdamp: float = 0.01,
