@@ -9,9 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from vserve.cli.engine_args import exit_on_bad_input
-from vserve.quantize.options import BACKENDS, METHODS, QuantizeOptions
+from vserve.quantize.options import BACKENDS, CALIBRATION_DEFAULTS, METHODS, QuantizeOptions
 
 console = Console(highlight=False)
+CPU = CALIBRATION_DEFAULTS["cpu"]
 
 
 def _size(n: int) -> str:
@@ -41,8 +42,13 @@ def quantize(
     group_size: int = typer.Option(128, help="Input channels per scale (awq, gptq, rtn); SmolLM2 needs 64."),
     calib_data: str = typer.Option("shakespeare", help="Calibration text: shakespeare (8 comedies; Hamlet, which "
                                    "bench perplexity scores, is not among them), a .txt, or a .jsonl of {\"text\"}."),
-    num_samples: int = typer.Option(128, help="Calibration samples (awq, gptq, int8 W8A8)."),
-    seq_len: int = typer.Option(512, help="Tokens per calibration sample."),
+    num_samples: int | None = typer.Option(None, help="Calibration samples (awq, gptq, int8 W8A8); default 128 on a "
+                                           f"GPU, {CPU[0]} on a CPU.", show_default=False),
+    seq_len: int | None = typer.Option(None, help=f"Tokens per calibration sample; default 512 on a GPU, {CPU[1]} on "
+                                       "a CPU.", show_default=False),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N: where the calibration forwards and the "
+                               "AWQ/GPTQ searches run (auto: cuda when torch sees a GPU); the model stays in CPU "
+                               "memory and each decoder layer visits the device while it is quantized."),
     backend: str = typer.Option("native", help=f"{' | '.join(BACKENDS)}; autoawq runs AutoAWQ itself (awq only)."),
     sym: bool = typer.Option(False, "--sym", help="gptq: symmetric grid (zero point 2^(bits-1)), as Marlin needs."),
     desc_act: bool = typer.Option(False, "--desc-act", help="gptq: quantize columns by decreasing activation "
@@ -59,7 +65,8 @@ def quantize(
 ) -> None:
     """Quantize a model into a folder vserve (and vLLM) can serve: AWQ, GPTQ, RTN, FP8 or INT8."""
     opts = QuantizeOptions(method=method, output_dir=output_dir, bits=bits, group_size=group_size,
-                           calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, backend=backend, sym=sym,
+                           calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device,
+                           backend=backend, sym=sym,
                            desc_act=desc_act, weight_only=weight_only, gptq=gptq, smoothquant_alpha=smoothquant_alpha,
                            overwrite=overwrite, seed=seed)
     with exit_on_bad_input():
@@ -72,10 +79,13 @@ def quantize(
     table.add_column()
     table.add_row("output", str(summary.output_dir))
     table.add_row("backend", opts.backend)
+    table.add_row("device", summary.device)
     if summary.num_layers >= 0:
         table.add_row("layers", f"{summary.num_layers} decoder layers, {summary.num_linears} linears quantized")
-    table.add_row("calibration", f"{summary.calib_samples} x {summary.seq_len} tokens of {opts.calib_data}"
-                  if summary.calib_samples else "none needed")
+    calibration = f"{summary.calib_samples} x {summary.seq_len} tokens of {opts.calib_data}"
+    if summary.calib_note:
+        calibration += " (the CPU default; --num-samples/--seq-len to change it)"
+    table.add_row("calibration", calibration if summary.calib_samples else "none needed")
     if summary.alphas:
         table.add_row("AWQ alpha" if opts.method == "awq" else "SmoothQuant alpha", _alphas(summary.alphas))
     table.add_row("time", f"{summary.seconds:.1f} s")

@@ -29,19 +29,22 @@ def search_scales(
     n_grid: int = 20,
     duo_scaling: bool = False,
     forward: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    act_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Grid over alpha = 0, 1/n_grid, ..., (n_grid-1)/n_grid (AutoAWQ's grid; alpha = 0 is plain RTN):
     scales = s_x^alpha (duo_scaling, AutoAWQ's default: s_x^alpha / s_w^(1-alpha), s_w the mean of |w| relative to
     its group's max), normalized; keep the alpha whose fake-quantized (W * scales) / scales gives the smallest
     output MSE. The output is `forward(weights)`: by default x @ W^T of the weights concatenated; the caller can
-    pass the block the weights sit in (attention, MLP) instead, as AutoAWQ does. Returns (scales [in], alpha)."""
+    pass the block the weights sit in (attention, MLP) instead, as AutoAWQ does, in any dtype (the error is taken
+    in float32). act_mean: s_x, the mean |x| per input channel, when x is not all the tokens. Returns (scales [in],
+    alpha)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     if forward is None:
         def forward(ws: list[torch.Tensor]) -> torch.Tensor:
             return x2 @ torch.cat(ws, dim=0).t()
     W = torch.cat([w.float() for w in weights], dim=0)
-    ref = forward([w.float() for w in weights])
-    s_x = x2.abs().mean(dim=0)
+    ref = forward([w.float() for w in weights]).float()
+    s_x = x2.abs().mean(dim=0) if act_mean is None else act_mean.float()
     wg = W.abs().reshape(W.shape[0], -1, group_size)
     s_w = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape_as(W).mean(dim=0)
     best = (float("inf"), None, 0.0)
@@ -50,7 +53,8 @@ def search_scales(
         s = s_x.pow(alpha) / (s_w.pow(1 - alpha) + 1e-4) if duo_scaling else s_x.pow(alpha)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither W nor x is pushed far in range
-        err = (forward([fake_quantize(w.float() * s, bits, group_size) / s for w in weights]) - ref).pow(2).mean()
+        out = forward([fake_quantize(w.float() * s, bits, group_size) / s for w in weights])
+        err = (out.float() - ref).pow(2).mean()
         if err.item() < best[0]:
             best = (err.item(), s, alpha)
     return best[1], best[2]
@@ -96,13 +100,15 @@ def quantize_awq(
     forward: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     clip: list[bool] | None = None,
     scale_search: bool = True,
+    act_mean: torch.Tensor | None = None,
 ) -> AWQResult:
     """Scale search over the weights sharing input x (skipped, scales 1, when nothing precedes them to fold into),
-    then clipping (of the weights whose `clip` is true; all by default) and RTN of each scaled weight."""
+    then clipping (of the weights whose `clip` is true; all by default) and RTN of each scaled weight. x may be a
+    subset of the tokens (clipping scores 512 of them) when act_mean gives the mean |x| over all of them."""
     if scale_search:
-        s, alpha = search_scales(weights, x, bits, group_size, n_grid, duo_scaling, forward)
+        s, alpha = search_scales(weights, x, bits, group_size, n_grid, duo_scaling, forward, act_mean)
     else:
-        s, alpha = torch.ones(x.shape[-1]), 0.0
+        s, alpha = torch.ones(x.shape[-1], device=x.device), 0.0
     xs = x.reshape(-1, x.shape[-1]).float() / s
     layers = []
     for w, do_clip in zip(weights, clip or [True] * len(weights)):

@@ -1,10 +1,12 @@
-"""`vserve quantize`: a float HF model (float32, CPU, transformers) quantized one decoder layer at a time.
+"""`vserve quantize`: a float HF model quantized one decoder layer at a time, on the GPU when there is one.
 
-The calibration samples run through the model once up to layer 0; then, for each layer, each group of linears
-that shares an input (q/k/v, o, gate/up, down) is quantized from its inputs as the layer now computes them
-(earlier groups already quantized: GPTQ's "true sequential"), and the layer's outputs are recomputed with its
-quantized weights to become the next layer's inputs. RTN and FP8 (without --gptq or --smoothquant-alpha) need no
-calibration and skip all of that.
+The model is loaded on the CPU (float32; bfloat16 when a GPU computes) and each decoder layer visits the device only
+while it is quantized, so the device holds one layer and the calibration activations whatever the model's size. The
+calibration samples run through the embeddings once; then each layer's forward is taken in stages, one per group of
+linears that share an input (q/k/v, o, gate/up, down): each group is quantized from its inputs as the layer now
+computes them (earlier groups already quantized: GPTQ's "true sequential"), and the next stage starts from there, so
+a layer costs one forward over the calibration tokens besides its searches. RTN and FP8 (without --gptq or
+--smoothquant-alpha) need no calibration and skip all of that.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vserve.ops.progress import progress_bar
+from vserve.ops.progress import console, phase_progress
 from vserve.quantize import checkpoint
 from vserve.quantize.awq import quantize_awq
 from vserve.quantize.formats import dequantize_awq, dequantize_gptq, pack_awq, pack_gptq
@@ -31,7 +33,9 @@ from vserve.quantize.w8a8 import dequantize_weight, pack_int8, quantize_weight
 
 CHUNK = 8  # calibration samples per forward: bounds the attention's memory
 AWQ_SEARCH_TOKENS = 16384  # tokens whose block output scores each AWQ scale candidate (all tokens give s_x)
+CLIP_TOKENS = 512  # strided tokens that score AWQ's clipping (awq.search_clip)
 SMOOTH_SEARCH_TOKENS = 2048  # random tokens that score each SmoothQuant alpha (all tokens give max |x|)
+PHASES = ("q/k/v", "o", "gate/up", "down")  # the progress bar's steps in a layer: its groups, in layer_groups' order
 
 Packed = dict[str, torch.Tensor]  # one quantized linear's tensors, by suffix: qweight, qzeros, scales, ...
 
@@ -49,6 +53,58 @@ class QuantizeSummary:
     bytes_after: int
     alphas: list[float | None] = field(default_factory=list)  # AWQ, SmoothQuant: the alpha of each scaled group
     # (None: SmoothQuant's search left the group unsmoothed)
+    device: str = "cpu"  # where the forwards and searches ran, and in which dtypes
+    calib_note: str | None = None  # the CPU default's line, when the calibration size was the CPU default
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Where a layer is quantized: the device, the dtype of the model's forwards there, and that of AWQ's scale
+    search (its 20 candidate forwards per group are most of AWQ's time; bfloat16 where the device computes it fast,
+    the quantization itself always in float32 or float64)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    search_dtype: torch.dtype
+
+    def describe(self, awq: bool) -> str:
+        name = str(self.device)
+        if self.device.type == "cuda":
+            name += f" ({torch.cuda.get_device_name(self.device)})"
+        search = f", AWQ search in {_dtype_name(self.search_dtype)}" if awq and self.search_dtype != self.dtype else ""
+        return f"{name}, {_dtype_name(self.dtype)} forwards{search}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto is cuda when torch sees a GPU, else cpu; cuda without one is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                             f"use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _cpu_bf16_is_fast() -> bool:
+    """A CPU with bfloat16 dot products (AVX512-BF16 or AMX): there a bfloat16 matmul is about 4x float32's (seen
+    on this repo's AMD EPYC); elsewhere it is emulated and slower."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, c, lambda: False)() for c in checks)
+
+
+def compute_for(device: torch.device) -> Compute:
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return Compute(device, dtype, dtype)
+    return Compute(device, torch.float32, torch.bfloat16 if _cpu_bf16_is_fast() else torch.float32)
 
 
 class _Stop(Exception):
@@ -60,22 +116,54 @@ def _run(layer: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def capture_inputs(layer: nn.Module, xs: list[torch.Tensor], kwargs: dict, module: nn.Module,
-                   fn: Callable[[torch.Tensor], None]) -> None:
-    """Run the layer on each chunk only as far as `module`, handing fn the module's input for each chunk."""
+def _input_of(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
+    """The input module receives while run() runs (stopped there: nothing after it is computed)."""
+    got = []
+
     def hook(_m, args):
-        fn(args[0].detach())
+        got.append(args[0].detach())
         raise _Stop
 
     handle = module.register_forward_pre_hook(hook)
     try:
-        for x in xs:
-            try:
-                _run(layer, x, kwargs)
-            except _Stop:
-                pass
+        run()
+    except _Stop:
+        pass
     finally:
         handle.remove()
+    assert got, f"{type(module).__name__} was not reached"
+    return got[0]
+
+
+def _attention(attn: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    return attn(hidden_states=x, position_embeddings=kwargs["position_embeddings"],
+                attention_mask=kwargs.get("attention_mask"))[0]
+
+
+def _attention_core(layer: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """o_proj's input: the attention of the normed x before its output projection."""
+    return _input_of(layer.self_attn.o_proj, lambda: _attention(layer.self_attn, layer.input_layernorm(x), kwargs))
+
+
+def _mlp_core(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """down_proj's input: act(gate(x)) * up(x) of the normed h."""
+    return _input_of(layer.mlp.down_proj, lambda: layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _layer_output(layer: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The layer's forward as the stages take it: h = x + o(attention), out = h + down(mlp core)."""
+    h = x + layer.self_attn.o_proj(_attention_core(layer, x, kwargs))
+    return h + layer.mlp.down_proj(_mlp_core(layer, h))
+
+
+def check_stages(layer: nn.Module, x: torch.Tensor, kwargs: dict) -> None:
+    """The staged forward must compute what the layer's own forward does (a Llama-like pre-norm layer)."""
+    ref = _run(layer, x, kwargs)
+    err = ((_layer_output(layer, x, kwargs) - ref).float().norm() / ref.float().norm()).item()
+    if not err < 1e-2:
+        raise ValueError(f"{type(layer).__name__} does not compute h = x + o_proj(attention(input_layernorm(x))), "
+                         f"h + down_proj(mlp(post_attention_layernorm(h))) (relative difference {err:.2g}): "
+                         f"vserve quantize supports Llama-like layers only")
 
 
 def first_layer_inputs(model: nn.Module, layer0: nn.Module, samples: torch.Tensor) -> tuple[list, dict]:
@@ -100,23 +188,39 @@ def first_layer_inputs(model: nn.Module, layer0: nn.Module, samples: torch.Tenso
     return [hs for hs, _ in got[1:]], got[0][1]
 
 
+@contextmanager
+def _dtype(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """The module's parameters in dtype for a while (no copy when they are in it already)."""
+    saved = [(p, p.data) for p in module.parameters() if p.dtype != dtype]
+    for p, data in saved:
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
 def _block_forward(layer: nn.Module, group: Group, linears: list[nn.Linear], xs: list[torch.Tensor],
-                   kwargs: dict) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+                   kwargs: dict, dtype: torch.dtype) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     """forward(weights) -> the output on xs of the group's block (attention, MLP, or the linear alone when the
-    group has no block) with those weights in place of the group's."""
+    group has no block) with those weights in place of the group's, computed in dtype (call it inside
+    `_dtype(block, dtype)`, which _awq_group does)."""
     block = layer.get_submodule(group.block or group.linears[0])
+    xs = [x.to(dtype) for x in xs]
+    kw = {k: tuple(t.to(dtype) for t in v) if k == "position_embeddings" else v for k, v in kwargs.items()}
+    mask = kw.get("attention_mask")
+    if mask is not None and mask.is_floating_point():
+        kw["attention_mask"] = mask.to(dtype)
 
     def call(x):
-        if group.block == "self_attn":
-            return block(hidden_states=x, position_embeddings=kwargs["position_embeddings"],
-                         attention_mask=kwargs.get("attention_mask"))[0]
-        return block(x)
+        return _attention(block, x, kw) if group.block == "self_attn" else block(x)
 
     def forward(weights: list[torch.Tensor]) -> torch.Tensor:
         saved = [lin.weight.data for lin in linears]
         try:
             for lin, w in zip(linears, weights):
-                lin.weight.data = w
+                lin.weight.data = w.to(dtype)
             return torch.cat([call(x) for x in xs])
         finally:
             for lin, w in zip(linears, saved):
@@ -167,102 +271,163 @@ def _pack_channel(q: torch.Tensor, scale: torch.Tensor, opts: QuantizeOptions) -
 
 
 def quantize_layer(layer: nn.Module, xs: list[torch.Tensor] | None, kwargs: dict, opts: QuantizeOptions,
-                   alphas: list[float | None]) -> dict[str, Packed]:
-    """Quantize every linear of one decoder layer in place (its weight becomes the dequantized weight, so the
-    layer computes what the quantized model will) and return the tensors to store, by linear name."""
+                   alphas: list[float | None], compute: Compute,
+                   done: Callable[[str], None] = lambda phase: None) -> tuple[dict[str, Packed], list | None]:
+    """Quantize every linear of one decoder layer in place (its weight becomes the dequantized weight, so the layer
+    computes what the quantized model will) and return (the tensors to store by linear name, the layer's outputs
+    on xs, the next layer's inputs: None without calibration). done(phase) is called as each group is finished."""
     out: dict[str, Packed] = {}
-    quantize_group = {"awq": _awq_group, "gptq": _gptq_group}.get(opts.method, _plain_group)
-    for group in layer_groups(layer, opts.method):
-        linears = [layer.get_submodule(n) for n in group.linears]
-        quantize_group(layer, group, linears, xs, kwargs, opts, out, alphas)
-        for name, lin in zip(group.linears, linears):
+    groups = layer_groups(layer, opts.method)
+    assert len(groups) == len(PHASES)
+
+    def group(i: int, inputs: list[torch.Tensor] | None) -> bool:
+        """Quantize groups[i] from its inputs; True when a scale was folded into them (they changed)."""
+        g = groups[i]
+        linears = [layer.get_submodule(n) for n in g.linears]
+        quantize_group = {"awq": _awq_group, "gptq": _gptq_group}.get(opts.method, _plain_group)
+        folded = quantize_group(layer, g, linears, inputs, opts, out, alphas, compute, kwargs)
+        for name, lin in zip(g.linears, linears):
             lin.weight.data = _dequantize(out[name], opts).to(lin.weight.dtype)
-    return out
+        done(PHASES[i])
+        return folded
+
+    if xs is None:
+        for i in range(len(groups)):
+            group(i, None)
+        return out, None
+    # The stages of the layer's forward (check_stages verified them on layer 0): each group's inputs as the layer
+    # computes them with the groups before it quantized; recomputed where a fold changed them.
+    group(0, [layer.input_layernorm(x) for x in xs])
+    attn = [_attention_core(layer, x, kwargs) for x in xs]
+    if group(1, attn):  # AWQ's v -> o fold (no GQA)
+        attn = [_attention_core(layer, x, kwargs) for x in xs]
+    hs = [x + layer.self_attn.o_proj(a) for x, a in zip(xs, attn)]
+    del attn
+    group(2, [layer.post_attention_layernorm(h) for h in hs])
+    acts = [_mlp_core(layer, h) for h in hs]
+    if group(3, acts):  # up -> down
+        acts = [_mlp_core(layer, h) for h in hs]
+    return out, [h + layer.mlp.down_proj(a) for h, a in zip(hs, acts)]
 
 
-def _awq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
-    chunks: list[torch.Tensor] = []
-    capture_inputs(layer, xs, kwargs, linears[0], chunks.append)
-    x = torch.cat([c.reshape(-1, c.shape[-1]) for c in chunks])
-    search = chunks[:max(1, AWQ_SEARCH_TOKENS // chunks[0].shape[:-1].numel())]
-    result = quantize_awq([lin.weight for lin in linears], x, opts.bits, opts.group_size, duo_scaling=True,
-                          forward=_block_forward(layer, group, linears, search, kwargs),
-                          clip=[not n.endswith(("q_proj", "k_proj")) for n in group.linears],  # as AutoAWQ
-                          scale_search=group.prev is not None)
-    if group.prev is not None:
+def _tokens(x: torch.Tensor) -> int:
+    return x.shape[:-1].numel()
+
+
+def _strided(xs: list[torch.Tensor], stride: int) -> torch.Tensor:
+    """Rows 0, stride, 2 stride, ... of the chunks' tokens concatenated, without concatenating them all."""
+    rows, offset = [], 0
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1])
+        rows.append(x[(-offset) % stride::stride])
+        offset += x.shape[0]
+    return torch.cat(rows)
+
+
+def _awq_group(layer, group: Group, linears, xs, opts: QuantizeOptions, out: dict, alphas: list, compute: Compute,
+               kwargs: dict) -> bool:
+    n = sum(_tokens(x) for x in xs)
+    act_mean = sum(x.reshape(-1, x.shape[-1]).float().abs().sum(dim=0) for x in xs) / n
+    weights = [lin.weight.data for lin in linears]  # the layer's dtype: the search below swaps in others
+    scale_search = group.prev is not None
+    block = layer.get_submodule(group.block or group.linears[0])
+    with _dtype(block, compute.search_dtype):
+        search = xs[:max(1, AWQ_SEARCH_TOKENS // _tokens(xs[0]))]
+        forward = _block_forward(layer, group, linears, search, kwargs, compute.search_dtype) if scale_search \
+            else None
+        result = quantize_awq(weights, _strided(xs, max(1, n // CLIP_TOKENS)).float(), opts.bits, opts.group_size,
+                              duo_scaling=True, forward=forward,
+                              clip=[not name.endswith(("q_proj", "k_proj")) for name in group.linears],  # as AutoAWQ
+                              scale_search=scale_search, act_mean=act_mean)
+    if scale_search:
         alphas.append(result.alpha)
         _fold(layer, group, result.scales, out, opts)
     for name, (q, zeros, scales) in zip(group.linears, result.layers):
         out[name] = dict(zip(("qweight", "qzeros", "scales"), pack_awq(q, zeros, scales)))
+    return scale_search
 
 
-def _hessian(layer, xs, kwargs, linear: nn.Linear) -> torch.Tensor:
-    """gptq.hessian of the linear's calibration inputs, accumulated chunk by chunk."""
-    n = linear.in_features
-    acc = {"h": torch.zeros(n, n, dtype=torch.float64), "n": 0}
-
-    def add(x):
+def _hessian(xs: list[torch.Tensor]) -> torch.Tensor:
+    """gptq.hessian of the inputs, accumulated chunk by chunk."""
+    n = xs[0].shape[-1]
+    h = torch.zeros(n, n, dtype=torch.float64, device=xs[0].device)
+    count = 0
+    for x in xs:
         x = x.reshape(-1, n).float()
-        acc["h"] += (x.t() @ x).double()
-        acc["n"] += x.shape[0]
-
-    capture_inputs(layer, xs, kwargs, linear, add)
-    return 2 * acc["h"] / acc["n"]
+        h += (x.t() @ x).double()
+        count += x.shape[0]
+    return 2 * h / count
 
 
-def _gptq_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
-    H = _hessian(layer, xs, kwargs, linears[0])
-    for name, lin in zip(group.linears, linears):
-        q, zeros, scales, g_idx = quantize_gptq(lin.weight, H, opts.bits, opts.group_size, act_order=opts.desc_act,
-                                                sym=opts.sym)
+def _split_rows(linears: list[nn.Linear]) -> list[slice]:
+    """Each linear's rows in their weights stacked (GPTQ sweeps the linears sharing an input, and so H, at once:
+    it treats rows independently, so that is the same as one sweep per linear, with fewer steps)."""
+    ends = torch.tensor([lin.out_features for lin in linears]).cumsum(0).tolist()
+    return [slice(a, b) for a, b in zip([0, *ends], ends)]
+
+
+def _gptq_group(layer, group: Group, linears, xs, opts: QuantizeOptions, out: dict, alphas: list, compute: Compute,
+                kwargs: dict) -> bool:
+    H = _hessian(xs)
+    q, zeros, scales, g_idx = quantize_gptq(torch.cat([lin.weight.data for lin in linears]), H, opts.bits,
+                                            opts.group_size, act_order=opts.desc_act, sym=opts.sym)
+    for name, r in zip(group.linears, _split_rows(linears)):
         out[name] = dict(zip(("qweight", "qzeros", "scales", "g_idx"),
-                             pack_gptq(q, zeros, scales, g_idx, opts.bits, opts.sym)))
+                             pack_gptq(q[r], zeros[r], scales[r], g_idx.clone(), opts.bits, opts.sym)))
+    return False
 
 
-def _plain_group(layer, group: Group, linears, xs, kwargs, opts: QuantizeOptions, out: dict, alphas: list) -> None:
+def _plain_group(layer, group: Group, linears, xs, opts: QuantizeOptions, out: dict, alphas: list, compute: Compute,
+                 kwargs: dict) -> bool:
     """RTN, FP8, INT8: each weight on its own, after SmoothQuant's smoothing for W8A8 when asked (INT8's default);
     with --gptq the 8-bit weights are rounded with GPTQ's error feedback on the (smoothed) inputs."""
+    s = None
     if opts.smoothquant_alpha is not None and group.prev is not None:
-        s, alpha = _smoothing(layer, linears, xs, kwargs, opts)
+        s, alpha = _smoothing(linears, xs, opts)
         alphas.append(alpha)
-        if alpha is not None:
+        if alpha is None:
+            s = None
+        else:
             _fold(layer, group, s, out, opts)
             for lin in linears:
-                lin.weight.data.mul_(s[None, :])
-    H = _hessian(layer, xs, kwargs, linears[0]) if opts.gptq else None  # after the fold: smoothed inputs
-    for name, lin in zip(group.linears, linears):
-        if H is None:
+                lin.weight.data.mul_(s[None, :].to(lin.weight.dtype))
+    if not opts.gptq:
+        for name, lin in zip(group.linears, linears):
             out[name] = _pack_rtn_style(lin.weight.data, opts)
-        else:
-            out[name] = _pack_channel(*quantize_gptq_channel(lin.weight.data, H, opts.method,
-                                                             act_order=opts.desc_act), opts)
+        return s is not None
+    H = _hessian(xs)
+    if s is not None:  # the smoothed inputs x / s
+        s64 = s.double()
+        H = H / (s64[:, None] * s64[None, :])
+    q, scale = quantize_gptq_channel(torch.cat([lin.weight.data for lin in linears]), H, opts.method,
+                                     act_order=opts.desc_act)
+    for name, r in zip(group.linears, _split_rows(linears)):
+        out[name] = _pack_channel(q[r].clone(), scale[r].clone(), opts)  # no storage shared in the file
+    return s is not None
 
 
-def _smoothing(layer, linears, xs, kwargs, opts: QuantizeOptions) -> tuple[torch.Tensor, float | None]:
-    """(SmoothQuant's scales for the linears, the alpha): max |x| from all the captured inputs; alpha as given, or
-    "auto": searched (smoothquant.search_alpha) on SMOOTH_SEARCH_TOKENS of them drawn at random (seed --seed)."""
-    amax = torch.zeros(linears[0].in_features)
+def _smoothing(linears, xs, opts: QuantizeOptions) -> tuple[torch.Tensor, float | None]:
+    """(SmoothQuant's scales for the linears, the alpha): max |x| from all the inputs; alpha as given, or "auto":
+    searched (smoothquant.search_alpha) on SMOOTH_SEARCH_TOKENS of them drawn at random (seed --seed)."""
+    device = xs[0].device
+    amax = torch.zeros(linears[0].in_features, device=device)
     auto = opts.smoothquant_alpha == "auto"
-    if auto:  # which tokens score the candidates, chosen before the capture so only those are kept
-        n = sum(x.shape[:-1].numel() for x in xs)
+    if auto:  # which tokens score the candidates
+        n = sum(_tokens(x) for x in xs)
         pick = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed))[:SMOOTH_SEARCH_TOKENS]
-        picked = torch.empty(len(pick), linears[0].in_features)
-    seen = 0  # tokens captured so far
-
-    def track(x):
-        nonlocal seen
+        pick = pick.to(device)
+        picked = torch.empty(len(pick), linears[0].in_features, device=device)
+    seen = 0  # tokens gone through so far
+    for x in xs:
         x = x.reshape(-1, x.shape[-1]).float()
         torch.maximum(amax, x.abs().amax(dim=0), out=amax)
         if auto:
             rows = ((pick >= seen) & (pick < seen + x.shape[0])).nonzero().squeeze(1)
             picked[rows] = x[pick[rows] - seen]
         seen += x.shape[0]
-
-    capture_inputs(layer, xs, kwargs, linears[0], track)
     weights = [lin.weight for lin in linears]
     if not auto:
         return smooth_scales(amax, weights, opts.smoothquant_alpha), opts.smoothquant_alpha
-    assert seen == n, (seen, n)
     return search_alpha(picked, weights, opts.method, amax)
 
 
@@ -299,14 +464,15 @@ def source_folder(model: str | None) -> Iterator[Path]:
         yield Path(tmp) / "model"
 
 
-def load_model(folder: Path):
+def load_model(folder: Path, dtype: torch.dtype = torch.float32):
+    """The HF model on the CPU in dtype (quantize moves one decoder layer at a time to the device)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if checkpoint.quantization_config_of(folder) is not None:
         raise ValueError(f"{folder} is already quantized (its config.json has a quantization_config)")
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     return model
 
 
@@ -318,18 +484,35 @@ def quantize(model_path: str | None, opts: QuantizeOptions) -> QuantizeSummary:
         if opts.backend == "autoawq":
             from vserve.quantize.autoawq import quantize_with_autoawq
 
+            note = opts.fill_calibration("cpu")  # AutoAWQ runs on the CPU here
             n_samples = quantize_with_autoawq(folder, opts)
             return QuantizeSummary(opts.scheme, opts.output_dir, -1, -1, n_samples, opts.seq_len,
                                    time.perf_counter() - start, checkpoint.folder_bytes(folder),
-                                   checkpoint.folder_bytes(opts.output_dir))
-        model = load_model(folder)
+                                   checkpoint.folder_bytes(opts.output_dir), device="cpu, float32 (AutoAWQ)",
+                                   calib_note=note)
+        compute = compute_for(resolve_device(opts.device))
+        note = opts.fill_calibration(compute.device.type)
+        model = load_model(folder, compute.dtype)
         prefix, layers = decoder_layers(model)
         opts.check_shapes(model)
         with torch.inference_mode():
-            return _quantize_loaded(model, prefix, layers, folder, opts, start)
+            return _quantize_loaded(model, prefix, layers, folder, opts, start, compute, note)
 
 
-def _quantize_loaded(model, prefix: str, layers, folder: Path, opts: QuantizeOptions, start: float) -> QuantizeSummary:
+@contextmanager
+def _on(device: torch.device, modules: list[nn.Module]) -> Iterator[None]:
+    """The modules on device for a while, then back on the CPU."""
+    for m in modules:
+        m.to(device)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.to("cpu")
+
+
+def _quantize_loaded(model, prefix: str, layers, folder: Path, opts: QuantizeOptions, start: float,
+                     compute: Compute, note: str | None) -> QuantizeSummary:
     xs, kwargs, n_samples = None, {}, 0
     if opts.needs_calibration:
         from vserve.quantize.calibration import calibration_samples, calibration_token_ids
@@ -337,16 +520,23 @@ def _quantize_loaded(model, prefix: str, layers, folder: Path, opts: QuantizeOpt
         ids = calibration_token_ids(folder, opts.calib_data)
         samples = calibration_samples(ids, opts.num_samples, opts.seq_len, opts.seed)
         n_samples = samples.shape[0]
-        xs, kwargs = first_layer_inputs(model, layers[0], samples)
+        if note:
+            console.print(note)
+        around = [m for name, m in model.model.named_children() if name != "layers"]  # embeddings, rotary
+        with _on(compute.device, around):
+            xs, kwargs = first_layer_inputs(model, layers[0], samples.to(compute.device))
     tensors: dict[str, torch.Tensor] = {}
     alphas: list[float | None] = []
-    for i in progress_bar(range(len(layers)), len(layers), f"Quantizing ({opts.scheme})"):
-        layer = layers[i]
-        for name, packed in quantize_layer(layer, xs, kwargs, opts, alphas).items():
-            for suffix, t in packed.items():
-                tensors[f"{prefix}.{i}.{name}.{suffix}"] = t
-        if xs is not None and i + 1 < len(layers):
-            xs = [_run(layer, x, kwargs) for x in xs]
+    with phase_progress(f"Quantizing ({opts.scheme})", len(layers), PHASES) as done:
+        for i, layer in enumerate(layers):
+            with _on(compute.device, [layer]):
+                if i == 0 and xs is not None:
+                    check_stages(layer, xs[0], kwargs)
+                packed, xs = quantize_layer(layer, xs, kwargs, opts, alphas, compute,
+                                            lambda phase, i=i: done(i, phase))
+            for name, linear in packed.items():
+                for suffix, t in linear.items():
+                    tensors[f"{prefix}.{i}.{name}.{suffix}"] = t.cpu()
     quantized = {k.rsplit(".", 1)[0] for k in tensors}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, t in model.state_dict().items():
@@ -359,4 +549,5 @@ def _quantize_loaded(model, prefix: str, layers, folder: Path, opts: QuantizeOpt
                             opts.overwrite)
     return QuantizeSummary(opts.scheme, opts.output_dir, len(layers), len(quantized), n_samples, opts.seq_len,
                            time.perf_counter() - start, checkpoint.folder_bytes(folder),
-                           checkpoint.folder_bytes(opts.output_dir), alphas)
+                           checkpoint.folder_bytes(opts.output_dir), alphas, compute.describe(opts.method == "awq"),
+                           note)

@@ -45,11 +45,17 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128) -> tuple
 
 def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     """(q - z) * s in float32 [out, in], where input channel i uses group g_idx[i] of zeros/scales [out, groups]."""
-    g = g_idx.long()
+    g = g_idx.long().to(q.device)
     return (q.float() - zeros.float()[:, g]) * scales.float()[:, g]
 
 
 def fake_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128) -> torch.Tensor:
-    """RTN quantize then dequantize: the weight the quantized model would actually use, in float32."""
-    q, zeros, scales = quantize_rtn(w, bits, group_size)
-    return dequantize(q, zeros, scales, group_index(w.shape[1], group_size))
+    """RTN quantize then dequantize: the weight the quantized model would actually use, in float32. The same numbers
+    as dequantize(*quantize_rtn(w), g_idx), computed in the groups' shape (no int codes, no gather by g_idx: AWQ
+    calls this 30 times per group of linears)."""
+    out_features, in_features = w.shape
+    group_index(in_features, group_size)  # validates group_size
+    wg = w.float().reshape(out_features, in_features // group_size, group_size)
+    scale, zero = quant_params(wg.reshape(-1, group_size), bits)
+    scale, zero = scale.reshape(out_features, -1, 1), zero.reshape(out_features, -1, 1)
+    return ((quantize_codes(wg, scale, zero, bits) - zero) * scale).reshape(out_features, in_features)

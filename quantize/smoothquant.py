@@ -40,7 +40,7 @@ def search_alpha(x: torch.Tensor, weights: list[torch.Tensor], kind: str, act_ab
     def error(s: torch.Tensor) -> float:
         return (w8a8_output(x, w, s, kind) - ref).pow(2).sum().item()
 
-    s_best, alpha_best = torch.ones(x.shape[-1]), None
+    s_best, alpha_best = torch.ones(x.shape[-1], device=x.device), None
     err_best = error(s_best)
     for alpha in alphas:
         s = smooth_scales(act_absmax, weights, alpha)

@@ -58,18 +58,16 @@ def test_searched_alpha_beats_half_and_none_on_all_the_calibration_inputs(tiny_m
     from transformers import AutoModelForCausalLM
 
     from vserve.quantize.calibration import calibration_samples, calibration_token_ids
-    from vserve.quantize.pipeline import capture_inputs, first_layer_inputs
+    from vserve.quantize.pipeline import first_layer_inputs
 
     src = tiny_model("llama")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     layer = model.model.layers[0]
-    chunks = []
     with torch.inference_mode():
         layer.input_layernorm.weight.data[[3, 40]] *= 30
         samples = calibration_samples(calibration_token_ids(src, "shakespeare"), 8, 64, seed=0)
         xs, kwargs = first_layer_inputs(model, layer, samples)
-        capture_inputs(layer, xs, kwargs, layer.self_attn.q_proj, chunks.append)
-        x = torch.cat(chunks).reshape(-1, 64)
+        x = torch.cat([layer.input_layernorm(h) for h in xs]).reshape(-1, 64)  # what q/k/v see
         weights = [layer.get_submodule(f"self_attn.{n}_proj").weight for n in "qkv"]
         amax = x.abs().amax(dim=0)
         pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[: x.shape[0] // 4]
