@@ -653,13 +653,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                    {k: v for k, v in launch.items() if v is not None})
     K, N = _shape(qweight, scales, layout, bits)
     assert x.shape[-1] == K, (x.shape, K)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    if out is None:
-        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
+    x2, M, out = _rows_and_out(x, K, N, out)
     if M == 0:
         return out
     if dequant_m is None and path is None and bits == 4 and layout != "channel":
@@ -723,6 +717,18 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     return out
 
 
+def _rows_and_out(x: torch.Tensor, K: int, N: int, out: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """x as [M, K] rows with unit stride, M, and the [..., N] output (out, checked, or a new one)."""
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
+    return x2, x2.shape[0], out
+
+
 def _tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
         perm: torch.Tensor | None, group_size: int, out: torch.Tensor | None, path: str | None, dequant_m: int | None,
         fixup: bool, launch: dict) -> torch.Tensor:
@@ -731,13 +737,7 @@ def _tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: to
     and cuBLAS."""
     N, K = qweight.shape[0], x.shape[-1]
     assert qweight.shape[1] * 8 - 128 < K <= qweight.shape[1] * 8, (x.shape, qweight.shape)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    if out is None:
-        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    assert out.shape == (*x.shape[:-1], N) and out.is_contiguous() and out.dtype == x.dtype, (out.shape, out.dtype)
+    x2, M, out = _rows_and_out(x, K, N, out)
     if M == 0:
         return out
     table_path, table_launch = w4a16_dispatch.choose_tc(x.device, N, K, M)
