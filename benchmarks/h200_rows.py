@@ -75,6 +75,7 @@ SMOKE_SHAPES = {"mixtral_8x7b": TINY_MIXTRAL, "mixtral_8x7b_16l": TINY_MIXTRAL, 
 QUANT = {  # config.json's quantization_config of each method
     "bf16": None,
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"],
                                           "weights": dict(num_bits=8, type="float", symmetric=True, strategy="channel",
@@ -174,6 +175,13 @@ def rows(z: Sizes) -> list[Row]:
     out += [Row("lora", "lora_8b_bs1_base", "8b", bs1),
             Row("lora", "lora_8b_bs1_n1", "8b", [*bs1, "--num-loras", "1", *lora]),
             Row("lora", "lora_8b_mem_n5", "8b", throughput(5, z.bs1_input, "16", "--num-loras", "5", *lora))]
+    # 4-bit against bf16 (#31): decode at batch 1, 8 and 32 (128-token prompts, 512 new tokens, every request
+    # admitted at once) and 256 requests U[100,1024] in and out; bf16, AWQ and GPTQ interleaved per size
+    for size, n in (("bs1", 1), ("bs8", 8), ("bs32", 32)):
+        out += [Row("w4", f"w4_{size}_{q}", "8b", throughput(n, z.bs1_input, z.bs1_output, "--max-num-seqs",
+                                                             str(max(8, n))), q) for q in ("bf16", "awq", "gptq")]
+    out += [Row("w4", f"w4_256_{q}", "8b", throughput(z.num_prompts, z.input_len, z.output_len), q)
+            for q in ("bf16", "awq", "gptq")]
     return out
 
 
@@ -231,6 +239,10 @@ def ratios(res: dict) -> dict:
     for q in ("awq", "fp8"):
         if tok_s(f"quant_bs1_{q}") and tok_s("quant_bs1_bf16"):
             out[f"bs1_{q}_over_bf16"] = tok_s(f"quant_bs1_{q}") / tok_s("quant_bs1_bf16")
+    for size in ("bs1", "bs8", "bs32", "256"):
+        for q in ("awq", "gptq"):
+            if tok_s(f"w4_{size}_{q}") and tok_s(f"w4_{size}_bf16"):
+                out[f"w4_{size}_{q}_over_bf16"] = tok_s(f"w4_{size}_{q}") / tok_s(f"w4_{size}_bf16")
     if tok_s("8b_512_half_pen_lp") and tok_s("8b_512"):
         out["half_pen_lp_over_plain"] = tok_s("8b_512_half_pen_lp") / tok_s("8b_512")
     if tok_s("8b_sv_512_json") and tok_s("8b_sv_512"):
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--groups", default="startup,throughput,quant,serve",
-                    help="comma-separated (hf, families, moe, moe_hf, moe_h100, structured, lora: not by default)")
+                    help="comma-separated (hf, families, moe, moe_hf, moe_h100, structured, lora, w4: not by default)")
     ap.add_argument("--rows", default="", help="row names, comma-separated (instead of --groups)")
     ap.add_argument("--cpu-smoke", "--smoke", action="store_true",
                     help="SMOKE_ROWS on a tiny shape on the CPU, float32: the commands run, nothing is measured")

@@ -247,7 +247,9 @@ def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
     return out
 
 
-def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float) -> tuple[dict, list[dict]]:
+def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
+         save: Path | None = None) -> tuple[dict, list[dict]]:
+    """save: where the table is written after each shape (a run cut short keeps the shapes it finished)."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16, triton_w4a16_tc, w4a16_dispatch
@@ -305,8 +307,9 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float) -
         log(f"tune {NAMES.get((K, N), f'{K}x{N}')}: summed tc {totals['tc']:.4f} vs today {totals['today']:.4f} ms, "
             f"M={rows[0]} {b1_tc:.4f} vs {b1_today:.4f}: layout {'tc' if use_tc else 'checkpoint'}")
         del awq, tc
-    dev_entry = table.setdefault("devices", {}).setdefault(name, {})
-    dev_entry.setdefault("shapes", {}).update(entries)
+        table.setdefault("devices", {}).setdefault(name, {}).setdefault("shapes", {}).update(entries)
+        if save is not None:
+            save.write_text(json.dumps(table, indent=1) + "\n")
     return table, log_rows
 
 
@@ -388,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
         table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
-                                  args.cpu_smoke else timing, args.batch1_slack)
-        (out / "w4a16_configs.json").write_text(json.dumps(table, indent=1) + "\n")
+                                  args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json")
         log(f"tuned table: {out / 'w4a16_configs.json'}")
         tuned = {(r["K"], r["N"], r["M"]): ("tc", r["best"]) if r["tc_ms"] <= r["dequant_ms"] else ("dequant", {})
                  for r in res["tune"]}
