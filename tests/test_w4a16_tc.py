@@ -212,14 +212,23 @@ def table_file(tmp_path, monkeypatch):
     w4a16_dispatch.reload()
 
 
-def test_the_committed_table_keeps_todays_paths():
-    """Before GPU tuning nothing is repacked and every row count takes today's thresholds ("auto")."""
+def test_the_committed_table_keeps_todays_paths_where_untuned():
+    """The CPU and devices without tuned entries repack nothing and take today's thresholds ("auto"); the tuned
+    device's entries are valid, name measured times and serve every row count."""
     w4a16_dispatch.reload()
     t = w4a16_dispatch.table()
-    assert t["default"] == {"layout": "checkpoint"} and not t["devices"]
+    assert t["default"] == {"layout": "checkpoint"} and "cpu" not in t["devices"]
     for M in (1, 8, 256, 4096):
         assert w4a16_dispatch.choose(torch.device("cpu"), 4096, 4096, M) == ("auto", {})
     assert w4a16_dispatch.layout_for(torch.device("cpu"), 28672, 4096) == "checkpoint"
+    assert w4a16_dispatch.entry("NVIDIA B200", 4096, 4096, t) == {"layout": "checkpoint"}
+    for dev, d in t["devices"].items():
+        for shape, e in d["shapes"].items():
+            assert e["layout"] == "tc" and "1" in e["rows"], (dev, shape)
+            for m, row in e["rows"].items():  # each row was the faster of its measured tc and dequant paths
+                ms = row["_ms"]
+                assert ms[row["path"]] == min(ms["tc"], ms["dequant"]), (dev, shape, m)
+                assert row["path"] == "dequant" or {"block_n", "block_m", "split_k"} <= set(row), (dev, shape, m)
 
 
 def test_rows_serve_from_their_key_to_the_next_and_bad_tables_are_named(table_file):
