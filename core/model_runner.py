@@ -91,6 +91,11 @@ class ModelRunner:
         self.prompt_scores: tuple[torch.Tensor, ...] | None = None  # the last step's prompt logprobs (device)
         self.prompt_segments: list = []  # [(request, first position, count)] of those scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda":  # every launch the 4-bit dispatch table names, compiled before the first request
+            from vserve.core.layers.quantization import warm_up_w4a16
+
+            with startup.phase("w4a16 kernels"):
+                warm_up_w4a16(model, dtype, device)
         # MLA's attention (torch references, host syncs) runs eagerly: the model says so (cuda_graphs = False)
         if device.type == "cuda" and not enforce_eager and getattr(model, "cuda_graphs", True):
             with startup.phase("cuda graphs"):

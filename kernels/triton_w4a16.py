@@ -188,7 +188,7 @@ def _awq_exact_tile(qw_ptr, z_ptr, k0, k_end, n0, N, group_size, stride_qk, stri
     return tl.reshape(d, (BLOCK_K, BLOCK_N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes every step: no variant per "M % 16 == 0"
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, res_ptr, lock_ptr, M, N, K, group_size, k_per_split,
                   n_split, stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_om, stride_osplit,
                   stride_rm, FIXUP: tl.constexpr, LAYOUT: tl.constexpr,

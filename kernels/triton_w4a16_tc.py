@@ -96,7 +96,7 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
     return tl.full(n.shape, 8, tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes every step: one compiled variant per launch config
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, tiles_per_split, n_split,
                stride_xm, stride_qn, stride_sg, stride_zg, stride_om, stride_pk, GROUP: tl.constexpr,
                MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,

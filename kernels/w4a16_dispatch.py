@@ -102,6 +102,12 @@ def choose_tc(device: torch.device, N: int, K: int, M: int) -> tuple[str, dict]:
     return (path, launch) if path in PATHS["tc"] else ("tc", {})
 
 
+def row_keys(device: torch.device, N: int, K: int) -> list[int]:
+    """The row counts at which the table's entry for an [N, K] weight changes path or launch (its row keys, sorted;
+    [1] where it has none): one GEMM at each compiles every kernel variant the weight can run."""
+    return sorted(int(k) for k in entry(device_name(device), N, K).get("rows", {})) or [1]
+
+
 def bucket(M: int) -> int:
     """M's power-of-two bucket (the row keys --tune writes): 1, 2, 4, ... 256, then 512 and up."""
     return 1 << max(0, M.bit_length() - 1)

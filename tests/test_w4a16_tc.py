@@ -275,6 +275,35 @@ def test_a_layer_repacks_once_at_load_where_the_table_says(table_file):
     assert layers[40].quant_method.layout == "gptq" and hasattr(layers[40], "g_idx")
 
 
+def test_the_warm_up_runs_each_tc_weight_kind_once_at_every_row_key(table_file, monkeypatch):
+    """warm_up_w4a16 (the model runner's start on a GPU): one GEMM per table row key for each distinct tc-layout
+    weight kind; a second weight of the same kind and a weight left on the checkpoint layout run none."""
+    from vserve.core.layers.linear import Linear
+    from vserve.core.layers.quantization import GroupQuantMethod, from_hf, warm_up_w4a16
+
+    qc = from_hf({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True})
+    table_file({"devices": {"cpu": {"shapes": {"N=48,K=128": {"layout": "tc", "rows": {
+        "1": {"path": "tc", "block_m": 16, "split_k": 2}, "16": {"path": "tc", "block_m": 32}, "64": {"path": "dequant"}}}}}}})
+    model = torch.nn.Sequential(*(Linear(128, n, parallel="column", quant_config=qc, prefix=f"model.layers.{i}.o_proj")
+                                  for i, n in enumerate((48, 48, 40))))
+    for layer in model:
+        qweight, scales, qzeros, _, _, _ = checkpoint("awq", layer.out_features, 128, 32)
+        for name, t in dict(qweight=qweight, scales=scales, qzeros=qzeros).items():
+            layer.weight_loader(dict(layer.named_parameters())[name], t)
+        layer.quant_method.process_weights_after_loading(layer)
+    assert [layer.quant_method.layout for layer in model] == ["tc", "tc", "awq"]
+    runs, apply = [], GroupQuantMethod.apply
+
+    def counted(self, layer, x, bias):
+        y = apply(self, layer, x, bias)
+        runs.append((layer.out_features, x.shape[0], tuple(y.shape)))
+        return y
+
+    monkeypatch.setattr(GroupQuantMethod, "apply", counted)
+    assert warm_up_w4a16(model, torch.float32, torch.device("cpu")) == 3
+    assert runs == [(48, 1, (1, 48)), (48, 16, (16, 48)), (48, 64, (64, 48))]
+
+
 def test_the_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/kernels/w4a16_tc.py --cpu-smoke: its check, compare and tune on a tiny shape under the interpreter
     (the numbers mean nothing), writing its JSON, its markdown table and a dispatch table the loader accepts."""

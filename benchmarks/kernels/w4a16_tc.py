@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from functools import partial
@@ -230,7 +231,8 @@ def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool,
 def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
     """Stage 1 of the launch grid for M rows: tile shapes (rows per tile from M's bucket, 64 to 256 outputs, 4 or 8
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
-    tc_default_config), at 3 stages."""
+    tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
+    stages."""
     bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
@@ -240,7 +242,8 @@ def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
             tiles, s0 = -(-N // bn) * -(-M // bm), 1
             while tiles * s0 < 2 * sms and k_tiles // (s0 * 2) >= 2 and 16 * M * s0 * 2 <= K:
                 s0 *= 2
-            for split in sorted({max(1, s0 // 2), s0, s0 * 2}):
+            near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2}  # memory-bound: wider
+            for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
                     out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=3,
                                     scale_a=bm >= 64))
@@ -248,8 +251,10 @@ def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
 
 
 def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
-         save: Path | None = None) -> tuple[dict, list[dict]]:
-    """save: where the table is written after each shape (a run cut short keeps the shapes it finished)."""
+         save: Path | None = None, merge: bool = False) -> tuple[dict, list[dict]]:
+    """save: where the table is written after each shape (a run cut short keeps the shapes it finished). merge: the
+    tuned rows replace only their own keys in a shape's existing entry, whose layout stays (a re-tune of some row
+    counts, e.g. prefill sizes); without an entry the shape is decided as without merge."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16, triton_w4a16_tc, w4a16_dispatch
@@ -276,8 +281,8 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                 except Exception as e:  # out of shared memory or registers: keep the others
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
-            for _, cfg in timed[:3]:  # stage 2: the pipeline depth of the best three
-                for st in (2, 4):
+            for _, cfg in timed[:3]:  # stage 2: the pipeline depth of the best three (deeper for small M)
+                for st in (2, 4, 5, 6) if M <= 16 else (2, 4):
                     c2 = dict(cfg, num_stages=st)
                     try:
                         timed.append((time_ms(partial(run, cfg=c2), dev, tc, **timing), c2))
@@ -302,10 +307,18 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                 f"today {today_ms:.4f}  [{len(timed)} launches]")
         b1_tc, b1_today = totals.get("batch1", (0.0, 0.0))
         use_tc = totals["tc"] < totals["today"] and b1_tc <= b1_today * (1 + slack)
-        entries[f"N={N},K={K}"] = dict(layout="tc", rows=rows_out) if use_tc else \
-            dict(layout="checkpoint", rows={"1": {"path": "auto"}}, _tc_rows=rows_out)
+        old = table.get("devices", {}).get(name, {}).get("shapes", {}).get(f"N={N},K={K}")
+        if merge and old is not None:
+            key = "rows" if old.get("layout") == "tc" else "_tc_rows"
+            entries[f"N={N},K={K}"] = dict(old, **{key: dict(sorted({**old.get(key, {}), **rows_out}.items(),
+                                                                    key=lambda kv: int(kv[0])))})
+            use_tc = old.get("layout") == "tc"
+        else:
+            entries[f"N={N},K={K}"] = dict(layout="tc", rows=rows_out) if use_tc else \
+                dict(layout="checkpoint", rows={"1": {"path": "auto"}}, _tc_rows=rows_out)
         log(f"tune {NAMES.get((K, N), f'{K}x{N}')}: summed tc {totals['tc']:.4f} vs today {totals['today']:.4f} ms, "
-            f"M={rows[0]} {b1_tc:.4f} vs {b1_today:.4f}: layout {'tc' if use_tc else 'checkpoint'}")
+            f"M={rows[0]} {b1_tc:.4f} vs {b1_today:.4f}: layout {'tc' if use_tc else 'checkpoint'}"
+            + (" (kept: --merge)" if merge and old is not None else ""))
         del awq, tc
         table.setdefault("devices", {}).setdefault(name, {}).setdefault("shapes", {}).update(entries)
         if save is not None:
@@ -353,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
     ap.add_argument("--cold-mib", type=int, default=256, help="weight copies cycled per timed pass (0: one, hot)")
+    ap.add_argument("--merge", action="store_true",
+                    help="--tune: the tuned rows replace only their keys in the table's existing entries")
     ap.add_argument("--batch1-slack", type=float, default=0.0,
                     help="--tune: how much slower than today the tc layout may be at the first row count (0.02: 2%%)")
     from timing import parse_args
@@ -391,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
         table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
-                                  args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json")
+                                  args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json",
+                                  args.merge)
         log(f"tuned table: {out / 'w4a16_configs.json'}")
+        os.environ["VSERVE_W4A16_CONFIGS"] = str(out / "w4a16_configs.json")  # --compare's other rows: this table
+        w4a16_dispatch.reload()
         tuned = {(r["K"], r["N"], r["M"]): ("tc", r["best"]) if r["tc_ms"] <= r["dequant_ms"] else ("dequant", {})
                  for r in res["tune"]}
     if args.compare:

@@ -367,6 +367,29 @@ class GroupQuantMethod(LinearMethod):
             layer.g_idx.data.copy_(gidx[start:start + layer.in_features])
 
 
+@torch.inference_mode()
+def warm_up_w4a16(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Run one GEMM of every tc-layout weight kind (shape, group, zeros, act-order) at each row count where the
+    dispatch table changes path or launch, so Triton compiles (or loads from its cache) every variant the weights can
+    run before the first request: none is compiled inside a step. Returns the number of GEMMs run (0: no tc weight)."""
+    from vserve.kernels.w4a16_dispatch import row_keys
+
+    seen, runs = set(), 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, GroupQuantMethod) or not method.tc_group_size:
+            continue
+        _, _, zeros, perm = method.tensors(layer)
+        kind = (layer.out_features, layer.in_features, method.tc_group_size, zeros is None, perm is None)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        for m in row_keys(device, layer.out_features, layer.in_features):
+            method.apply(layer, torch.zeros(m, layer.in_features, dtype=dtype, device=device), None)
+            runs += 1
+    return runs
+
+
 class ChannelQuantMethod(LinearMethod):
     """8-bit weights [out, in] (fp8 e4m3 or int8) with a float32 scale per output channel; activations quantized
     per token (W8A8) or kept in the model dtype (W8A16)."""
