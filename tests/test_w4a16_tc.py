@@ -283,9 +283,10 @@ def test_the_warm_up_runs_each_tc_weight_kind_once_at_every_row_key(table_file, 
 
     qc = from_hf({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True})
     table_file({"devices": {"cpu": {"shapes": {"N=48,K=128": {"layout": "tc", "rows": {
-        "1": {"path": "tc", "block_m": 16, "split_k": 2}, "16": {"path": "tc", "block_m": 32}, "64": {"path": "dequant"}}}}}}})
-    model = torch.nn.Sequential(*(Linear(128, n, parallel="column", quant_config=qc, prefix=f"model.layers.{i}.o_proj")
-                                  for i, n in enumerate((48, 48, 40))))
+        "1": {"path": "tc", "block_m": 16, "split_k": 2}, "16": {"path": "tc", "block_m": 32},
+        "64": {"path": "dequant"}}}}}}})
+    model = torch.nn.Sequential(*(Linear(128, n, parallel="column", quant_config=qc,
+                                         prefix=f"model.layers.{i}.o_proj") for i, n in enumerate((48, 48, 40))))
     for layer in model:
         qweight, scales, qzeros, _, _, _ = checkpoint("awq", layer.out_features, 128, 32)
         for name, t in dict(qweight=qweight, scales=scales, qzeros=qzeros).items():
