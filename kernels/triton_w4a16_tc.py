@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _ptx, arrival_counts
+from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch
 
 
 def _unpack_asm(bf16: bool, scaled: bool) -> str:
@@ -100,7 +100,8 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, tiles_per_split, n_split,
                stride_xm, stride_qn, stride_sg, stride_zg, stride_om, stride_pk, GROUP: tl.constexpr,
                MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
-               SCALE_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+               SCALE_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
+               PDL: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k] for a [BLOCK_N, BLOCK_M] tile of y^T and the 128-wide K tiles of one split.
     GROUP: the group size (a constexpr: no integer division in the loop); a group segment is SEG 16-wide K slices
     (8: groups of 128 or more, one segment a tile; 1, 2, 4: groups of 16, 32, 64). EVEN_K: 128 divides K (no masks
@@ -108,7 +109,9 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
     rounds W (one accumulator; cheaper per row for large BLOCK_M), else the dot's fp32 result per group segment (the
     dot sums exact products; a second accumulator). MODE 0: one split, written to out; 1: fp32 partials to part_ptr
     [n_split, M, N], the last program of the output tile (an atomic count in lock_ptr, reset after) sums them in
-    split order into out; 2: partials only (the caller sums them)."""
+    split order into out; 2: partials only (the caller sums them). PDL: launched as a programmatic dependent launch
+    (triton_ops.pdl_enter: in a batch-1 decode graph the programs are resident when the kernel before ends)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     SEG: tl.constexpr = 8 if GROUP >= 128 else GROUP // 16
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row tiles of one weight tile together
@@ -237,8 +240,7 @@ def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
                      GROUP=group_size, MODE=mode, HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None,
                      EVEN_K=K % 128 == 0, SCALE_A=scale_a, BLOCK_N=block_n,
                      BLOCK_M=block_m, ASM=(_ptx() if asm is None else asm) and x2.dtype != torch.float32,
-                     num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_warps=num_warps, num_stages=num_stages, **pdl_launch(x2.device))
     if mode == 2:
         torch.sum(part, 0, out=out2)
     return out2
