@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true", help="ms, TFLOP/s, GB/s: tc, today, cuBLAS bf16, gemlite")
     ap.add_argument("--tune", action="store_true", help="launch grid per M bucket -> OUT/w4a16_configs.json")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
+    ap.add_argument("--compare-rows", default="", help="row counts for --compare when other than --rows")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
     ap.add_argument("--cold-mib", type=int, default=256, help="weight copies cycled per timed pass (0: one, hot)")
     ap.add_argument("--merge", action="store_true",
@@ -414,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         tuned = {(r["K"], r["N"], r["M"]): ("tc", r["best"]) if r["tc_ms"] <= r["dequant_ms"] else ("dequant", {})
                  for r in res["tune"]}
     if args.compare:
-        res["compare"] = compare(dev, shapes, rows, dtype, cold, timing, args.cpu_smoke, tuned)
+        crows = [int(m) for m in args.compare_rows.split(",")] if args.compare_rows and not args.cpu_smoke else rows
+        res["compare"] = compare(dev, shapes, crows, dtype, cold, timing, args.cpu_smoke, tuned)
     (out / "w4a16_tc.json").write_text(json.dumps(res, indent=1, default=str))
     (out / "w4a16_tc.md").write_text(markdown(res))
     print(markdown(res))
