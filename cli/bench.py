@@ -55,7 +55,9 @@ def special_ids(tok) -> set[int]:
 
 
 def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_fraction: float = 1.0,
-               loras: list | None = None, details: dict[str, Any] | None = None) -> Result:
+               loras: list | None = None, details: dict[str, Any] | None = None,
+               lens: list[int] | None = None) -> Result:
+    """lens: filled with each request's generated length, in the workload's order."""
     # vLLM's throughput bench: temperature 1, top_p 1, eos ignored, exactly the requested output length. extra
     # (repetition_penalty, logprobs) goes to an evenly spread extra_fraction of the requests.
     extra = extra or {}
@@ -79,6 +81,8 @@ def run_vserve(llm, w: Workload, extra: dict[str, Any] | None = None, extra_frac
     elapsed = time.perf_counter() - start
     if details is not None and "structured_outputs" in extra:
         details.update(grammar_times(before, engine.last_stats.grammar, elapsed))
+    if lens is not None:
+        lens.extend(len(o.outputs[0].token_ids) for o in outs)
     return Result("vserve", len(outs), sum(map(len, w.prompts)),
                   sum(len(c.token_ids) for o in outs for c in o.outputs), elapsed)
 
@@ -279,7 +283,9 @@ def throughput(
     lora_rank: int = typer.Option(16, help="Rank of the --num-loras adapters."),
     json_schema: Path = typer.Option(None, "--json-schema", help="A JSON schema the requests --sampling-fraction "
                                      "picks must follow (structured output); a request ends when its JSON is "
-                                     "complete, so output tokens are what was generated."),
+                                     "complete, so output tokens are what was generated. Then the same requests "
+                                     "run again without the schema, each to the length it generated (prompts "
+                                     "reversed: no prefix-cache hits), for the schema's cost at equal lengths."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     *,
     engine_args: dict[str, Any],
@@ -328,9 +334,16 @@ def throughput(
         from vserve.core.lora.dummy import write_dummy_adapters
 
         loras = write_dummy_adapters(Path(lora_dir.name), engine.model_config, num_loras, lora_rank, seed)
+    lens: list[int] | None = [] if json_schema is not None else None
     try:
-        results = [run_vserve(llm, w, extra, sampling_fraction, details=details,
+        results = [run_vserve(llm, w, extra, sampling_fraction, details=details, lens=lens,
                               **({"loras": loras} if loras else {}))]
+        if lens is not None:  # the schema's cost at equal lengths: the same requests unconstrained, each to its length
+            plain = {k: v for k, v in extra.items() if k != "structured_outputs"}
+            same = run_vserve(llm, Workload([p[::-1] for p in w.prompts], lens), plain, sampling_fraction)
+            same.backend = "vserve, no schema"
+            details["unconstrained_same_lengths"] = same.as_dict()
+            details["ratio_same_lengths"] = same.elapsed_s / max(results[0].elapsed_s, 1e-9)
     finally:
         if lora_dir is not None:
             lora_dir.cleanup()
@@ -368,5 +381,8 @@ def throughput(
         report["notes"] = notes
     if as_json:
         typer.echo(json.dumps(report))
+    elif lens is not None:
+        render([results[0], same], ["the second column: the same requests without the schema, each to the length it "
+                                    "generated under it; the ratio row is the schema's throughput over it."])
     else:
         render(results, notes)

@@ -180,6 +180,11 @@ def test_bench_throughput_json_schema_on_half_the_requests(shared_llm, tmp_path)
     assert 0 < g["steps_with_grammar"] <= 40 and 1 <= g["bitmask_rows_per_step"] <= 2
     assert g["bitmask_fill_ms_per_step"] > 0 and g["accept_us_per_token"] > 0
     assert g["elapsed_ms_per_step"] * g["steps_with_grammar"] == pytest.approx(r["elapsed_s"] * 1e3)
+    # then the same requests without the schema, each to the length it generated: the schema's cost at equal lengths
+    same = g["unconstrained_same_lengths"]
+    assert (same["backend"], same["num_requests"], same["prompt_tokens"], same["output_tokens"]) == (
+        "vserve, no schema", 4, r["prompt_tokens"], r["output_tokens"])
+    assert g["ratio_same_lengths"] == pytest.approx(same["elapsed_s"] / r["elapsed_s"])
 
 
 def test_generate_json_schema_constrains_every_output(shared_llm, tmp_path):
