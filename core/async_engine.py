@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import InprocClient, start_core
-from vserve.core.engine_core import CoreStats, EngineStats
 from vserve.core.lora.adapter import LoRARequest
 from vserve.core.lora.registry import LoRARegistry, set_adapter
+from vserve.core.messages import CoreStats, EngineStats
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput

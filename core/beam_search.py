@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vserve.core.sampler import Logprob
+from vserve.core.messages import Logprob
 
 
 @dataclass

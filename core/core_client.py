@@ -23,10 +23,11 @@ import time
 from typing import TYPE_CHECKING
 
 from vserve.core.config import EngineConfig
-from vserve.core.engine_core import CoreInfo, EngineCore, decode_request
+from vserve.core.messages import CoreInfo, decode_request
 from vserve.ops import startup
 
 if TYPE_CHECKING:
+    from vserve.core.engine_core import EngineCore
     from vserve.core.processor import InputProcessor
 
 log = logging.getLogger("vserve.engine")
@@ -105,6 +106,8 @@ class InprocClient:
     """The core in this process; `recv()` runs its next step on the calling thread."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from vserve.core.engine_core import EngineCore  # torch: only where the core runs
+
         self.core = EngineCore(config)
         self.info: CoreInfo = self.core.info()
         self.loop = CoreLoop(self.core)
@@ -145,6 +148,8 @@ def run_engine_core(config: EngineConfig, commands, outputs) -> None:
     ("failed", kind, message), then step until told to stop or the front end is gone."""
     # The front end decides when the engine stops (a server after draining): a Ctrl-C or SIGTERM sent to the whole
     # group must not kill the engine under in-flight requests. A front end that dies closes the pipe, which stops us.
+    from vserve.core.engine_core import EngineCore  # torch and the model code: counted as this process's imports
+
     startup.mark_imports()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -301,6 +306,16 @@ def use_engine_process(config: EngineConfig, serving: bool) -> bool:
         return config.engine_process
     if serving:
         return True
-    from vserve.core.loader import pick_device
+    return config.device == "cuda" or (config.device == "auto" and gpu_visible())
 
-    return pick_device(config.device).type == "cuda"
+
+def gpu_visible() -> bool:
+    """Whether this machine shows the process a GPU, asked of the driver's files rather than torch (whose import
+    takes seconds that the engine process then spends again): an NVIDIA or AMD driver with a device, not hidden by
+    CUDA_VISIBLE_DEVICES. Where the engine then finds no GPU after all, it runs on the CPU in its own process: the
+    same outputs, only the transport differs."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", os.environ.get("HIP_VISIBLE_DEVICES"))
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return False
+    nvidia = "/proc/driver/nvidia/gpus"
+    return (os.path.isdir(nvidia) and bool(os.listdir(nvidia))) or os.path.exists("/dev/kfd")

@@ -11,26 +11,13 @@ import torch
 from torch.nn import functional as F
 
 from vserve.core.loader import DTYPES, count_safetensors, iter_safetensors, load_weights, safetensors_files
+from vserve.core.model_config import BERT_ARCHITECTURES, is_embedding_model  # noqa: F401  (re-exported)
 from vserve.core.models.bert import BertConfig, BertModel
 from vserve.ops.progress import progress_bar
 
-BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
 POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
                  "pooling_mode_max_tokens": "max"}
 _ST = "sentence_transformers.models."
-
-
-def is_embedding_model(path: str | Path) -> bool:
-    """True when the folder's config.json names a BERT encoder (architectures, or model_type when none)."""
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    archs = cfg.get("architectures") or []
-    if archs:
-        # a BertForSequenceClassification (cross-encoder) scores pairs; it is not an embedding model
-        return any(a in BERT_ARCHITECTURES for a in archs)
-    return cfg.get("model_type") == "bert"
 
 
 def read_sentence_transformers_modules(path: Path) -> tuple[str, bool]:

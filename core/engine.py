@@ -8,17 +8,22 @@ default), through the one protocol of core/core_client.py.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import ProcClient, start_core
-from vserve.core.engine_core import CoreInfo, CoreStats, EngineCore, EngineStats
 from vserve.core.lora.adapter import LoRARequest
 from vserve.core.lora.registry import LoRARegistry, set_adapter
+from vserve.core.messages import CoreInfo, CoreStats, EngineStats
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.request import Request, RequestOutput
 from vserve.core.sampling_params import SamplingParams
 from vserve.ops import startup
+
+if TYPE_CHECKING:
+    import torch
+
+    from vserve.core.engine_core import EngineCore
 
 __all__ = ["EngineStats", "LLMEngine"]
 
@@ -47,10 +52,14 @@ class LLMEngine:
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.info.dtype)
 
     @property
     def device(self) -> torch.device:
+        import torch
+
         return torch.device(self.info.device)
 
     @property

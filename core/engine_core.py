@@ -13,8 +13,6 @@ import atexit
 import logging
 import time
 import weakref
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -24,83 +22,18 @@ from vserve.core.layers.rotary import longrope_offset
 from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
 from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
+from vserve.core.messages import CoreInfo, CoreOutput, CoreStats, EngineStats
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
 from vserve.core.prompt_logprobs import take as take_prompt_logprobs
 from vserve.core.request import Request, RequestStatus
-from vserve.core.sampler import Logprob, SampledTokens
+from vserve.core.sampler import SampledTokens
 from vserve.core.scheduler import Scheduler
 from vserve.core.structured_output import StructuredOutputManager
 from vserve.core.worker import start_tensor_parallel
 from vserve.ops import startup
 
 log = logging.getLogger("vserve.engine")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_free_blocks: int
-    num_blocks: int
-    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running / waiting requests (LoRA on)
-    waiting_lora_adapters: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class CoreStats:
-    """What one engine message says of the engine: EngineStats plus the counters metrics read."""
-
-    engine: EngineStats
-    num_generated_tokens: int
-    num_computed_prompt_tokens: int
-    last_step_tokens: int
-    step_seconds: float
-    num_taken: int  # requests the core has been given
-    grammar: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)  # StructuredOutputManager.times()
-
-
-class CoreOutput(NamedTuple):
-    """One request's new token of one step. finish_reason is "stop" (a stop token: stop_reason is that token, or
-    None for EOS), "length", or None while it runs; the times come with the finished output."""
-
-    request_id: str
-    token_id: int
-    logprobs: dict[int, Logprob] | None
-    finish_reason: str | None
-    stop_reason: int | None
-    num_cached_tokens: int
-    first_token_time: float | None
-    scheduled_time: float | None
-    prompt_logprobs: list | None = None  # with the first token of a request that asked for them
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the front end learns of a core once it is built."""
-
-    dtype: str
-    device: str
-    max_model_len: int
-    async_scheduling: bool
-    memory_plan: dict
-
-
-def encode_request(req: Request) -> tuple:
-    return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
-            req.eos_token_id, req.arrival_time, req.cache_salt, req.structured, req.lora_id, req.lora_name,
-            req.lora_path)
-
-
-def decode_request(t: tuple) -> Request:
-    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, structured, lora_id, lora_name, lora_path = t
-    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt,
-                   structured=structured, lora_id=lora_id, lora_name=lora_name, lora_path=lora_path)
 
 
 class EngineCore:

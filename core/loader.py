@@ -16,36 +16,11 @@ from vserve.core.config import EngineConfig
 from vserve.core.distributed import get_pp_size
 from vserve.core.layers.norm import GemmaRMSNorm
 from vserve.core.layers.quantization import QuantConfig
-from vserve.core.model_config import ModelConfig
+from vserve.core.model_config import ModelConfig, model_source, resolve_model  # noqa: F401  (re-exported)
 from vserve.core.models import get_model_class
-from vserve.ops.assets import default_model_path
 from vserve.ops.progress import progress_bar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model(model: str, load_format: str) -> tuple[Path, str]:
-    """(path, format) for a model argument: an HF folder, a .gguf file, or a folder holding one."""
-    p = Path(model).expanduser()
-    if not p.exists():
-        raise ValueError(f"model path {model!r} does not exist")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise ValueError(f"{model!r} is a file but not a .gguf; pass an HF model folder or a GGUF file")
-        return p, "gguf" if load_format == "auto" else load_format
-    if load_format in ("auto", "gguf") and not (p / "config.json").exists():
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0], "gguf"
-    if load_format == "gguf":
-        raise ValueError(f"--load-format gguf needs a .gguf file or a folder with exactly one, got {model!r}")
-    if not (p / "config.json").exists():
-        raise ValueError(f"no config.json in model folder {model!r}")
-    if load_format == "auto":
-        if not list(p.glob("*.safetensors")):
-            raise ValueError(f"no .safetensors weights in {model!r} (pickled .bin weights are refused)")
-        return p, "safetensors"
-    return p, load_format
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -268,16 +243,6 @@ def needs_activation_profile(config: EngineConfig, device: torch.device) -> bool
     # Under PP a lone forward cannot run (its stages wait on each other): the planner estimates instead.
     return (device.type == "cuda" and config.num_kv_blocks is None and not config.kv_cache_memory_gib
             and config.pipeline_parallel_size == 1)
-
-
-def model_source(config: EngineConfig) -> tuple[Path, str, ModelConfig]:
-    """(path, format, model config) of config.model (a local path; the embedded default model when unset)."""
-    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
-    if fmt == "gguf":
-        from vserve.core.gguf_file import gguf_config
-
-        return path, fmt, ModelConfig.from_dict(gguf_config(path))
-    return path, fmt, ModelConfig.from_pretrained(path)
 
 
 def load_model(config: EngineConfig, device: torch.device):

@@ -1,10 +1,17 @@
-"""The model's architecture, read from an HF config.json (transformers 4 and 5 conventions alike)."""
+"""The model's architecture, read from an HF config.json (transformers 4 and 5 conventions alike), and where a model
+argument points (an HF folder or a GGUF file): torch-free, so the front end reads it without importing the engine."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vserve.ops.assets import default_model_path
+
+if TYPE_CHECKING:
+    from vserve.core.config import EngineConfig
 
 # architectures in config.json -> the implementation that serves them
 SUPPORTED_ARCHITECTURES = {
@@ -185,3 +192,53 @@ class ModelConfig:
         if self.raw.get("kv_lora_rank"):  # MLA: the compressed latent (core/memory.py kv_bytes_per_token)
             return self.num_hidden_layers * (self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]) * dtype_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def resolve_model(model: str, load_format: str) -> tuple[Path, str]:
+    """(path, format) for a model argument: an HF folder, a .gguf file, or a folder holding one."""
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ValueError(f"model path {model!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"{model!r} is a file but not a .gguf; pass an HF model folder or a GGUF file")
+        return p, "gguf" if load_format == "auto" else load_format
+    if load_format in ("auto", "gguf") and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], "gguf"
+    if load_format == "gguf":
+        raise ValueError(f"--load-format gguf needs a .gguf file or a folder with exactly one, got {model!r}")
+    if not (p / "config.json").exists():
+        raise ValueError(f"no config.json in model folder {model!r}")
+    if load_format == "auto":
+        if not list(p.glob("*.safetensors")):
+            raise ValueError(f"no .safetensors weights in {model!r} (pickled .bin weights are refused)")
+        return p, "safetensors"
+    return p, load_format
+
+
+def model_source(config: EngineConfig) -> tuple[Path, str, ModelConfig]:
+    """(path, format, model config) of config.model (a local path; the embedded default model when unset)."""
+    path, fmt = resolve_model(config.model or str(default_model_path()), config.load_format)
+    if fmt == "gguf":
+        from vserve.core.gguf_file import gguf_config
+
+        return path, fmt, ModelConfig.from_dict(gguf_config(path))
+    return path, fmt, ModelConfig.from_pretrained(path)
+
+
+BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+
+
+def is_embedding_model(path: str | Path) -> bool:
+    """True when the folder's config.json names a BERT encoder (architectures, or model_type when none)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    archs = cfg.get("architectures") or []
+    if archs:
+        # a BertForSequenceClassification (cross-encoder) scores pairs; it is not an embedding model
+        return any(a in BERT_ARCHITECTURES for a in archs)
+    return cfg.get("model_type") == "bert"

@@ -9,7 +9,7 @@ process the text work overlaps the device's step instead of delaying the next on
 from __future__ import annotations
 
 from vserve.core.detokenizer import IncrementalDetokenizer
-from vserve.core.engine_core import CoreOutput
+from vserve.core.messages import CoreOutput
 from vserve.core.request import CompletionOutput, Request, RequestOutput
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vserve.core.messages import Logprob
 from vserve.core.request import Request
-from vserve.core.sampler import Logprob
 
 _SLICE_ELEMENTS = 1 << 24  # logits elements made at once (64 MiB of float32)
 

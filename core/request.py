@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from vserve.core.sampling_params import SamplingParams
 from vserve.core.structured_output import GrammarSpec, GrammarState
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):

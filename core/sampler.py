@@ -19,15 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vserve.core.messages import Logprob  # noqa: F401  (re-exported)
 from vserve.core.request import Request
 from vserve.kernels import for_device
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int  # 1 = most likely
-    decoded_token: str | None = None
 
 
 @dataclass

@@ -210,7 +210,7 @@ def test_an_abort_and_a_new_request_reusing_its_id_in_one_pass_keep_their_order(
     """Both transports run CoreLoop: a client that aborts request "x" and at once sends a new "x" must get the
     new one served (it used to be dropped with the old one when both landed in the same pass)."""
     from vserve.core.core_client import CoreLoop
-    from vserve.core.engine_core import encode_request
+    from vserve.core.messages import encode_request
     from vserve.core.request import Request
     from vserve.core.sampling_params import SamplingParams
 

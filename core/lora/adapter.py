@@ -12,10 +12,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from vserve.core.config import LORA_RANKS  # noqa: F401  (re-exported: --max-lora-rank's choices)
+
+if TYPE_CHECKING:
+    import torch
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")

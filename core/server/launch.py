@@ -120,7 +120,7 @@ def _build_engine(config: EngineConfig, opts: ServeOptions):
 
 
 def _is_embedding(model: str) -> bool:
-    from vserve.core.embedding import is_embedding_model
+    from vserve.core.model_config import is_embedding_model  # torch-free: the API process never imports torch
 
     p = Path(model)
     return p.is_dir() and is_embedding_model(p)

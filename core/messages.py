@@ -1,0 +1,88 @@
+"""What the front end and the engine core say to each other (core/core_client.py carries it), torch-free.
+
+The front end (LLMEngine, AsyncLLM, the API process) imports only this side of the engine: the engine process
+(core/engine_core.py) is the one that imports torch, so a server or an offline run that spawns its engine process
+starts tokenizing while that process is still importing torch and loading weights (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from vserve.core.request import Request
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running / waiting requests (LoRA on)
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class CoreStats:
+    """What one engine message says of the engine: EngineStats plus the counters metrics read."""
+
+    engine: EngineStats
+    num_generated_tokens: int
+    num_computed_prompt_tokens: int
+    last_step_tokens: int
+    step_seconds: float
+    num_taken: int  # requests the core has been given
+    grammar: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)  # StructuredOutputManager.times()
+
+
+class CoreOutput(NamedTuple):
+    """One request's new token of one step. finish_reason is "stop" (a stop token: stop_reason is that token, or
+    None for EOS), "length", or None while it runs; the times come with the finished output."""
+
+    request_id: str
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    finish_reason: str | None
+    stop_reason: int | None
+    num_cached_tokens: int
+    first_token_time: float | None
+    scheduled_time: float | None
+    prompt_logprobs: list | None = None  # with the first token of a request that asked for them
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the front end learns of a core once it is built."""
+
+    dtype: str
+    device: str
+    max_model_len: int
+    async_scheduling: bool
+    memory_plan: dict
+
+
+def encode_request(req: Request) -> tuple:
+    return (req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, req.parent_id, req.index,
+            req.eos_token_id, req.arrival_time, req.cache_salt, req.structured, req.lora_id, req.lora_name,
+            req.lora_path)
+
+
+def decode_request(t: tuple) -> Request:
+    rid, ids, sp, max_tokens, parent_id, index, eos, arrival, salt, structured, lora_id, lora_name, lora_path = t
+    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
+                   parent_id=parent_id, index=index, eos_token_id=eos, arrival_time=arrival, cache_salt=salt,
+                   structured=structured, lora_id=lora_id, lora_name=lora_name, lora_path=lora_path)
+
+
