@@ -223,11 +223,12 @@ class EngineCore:
         return self.async_scheduling
 
     def _launch(self, sched) -> tuple[list[Request], SampledTokens | None]:
-        block_ids = [self.kv.get_block_ids(r.request_id) for r in sched.requests]
+        block_table = self.kv.block_table(sched.requests)
         for r, n in zip(sched.requests, sched.num_scheduled_tokens):
             self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
         try:
-            reqs, sampled = self.runner.launch(sched, block_ids, self._grammar_bitmask if self.num_grammars else None)
+            reqs, sampled = self.runner.launch(sched, block_table,
+                                               self._grammar_bitmask if self.num_grammars else None)
         except Exception as e:
             if self.workers is None:
                 raise

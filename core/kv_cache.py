@@ -8,6 +8,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from vserve.core.request import Request
 
 BlockHash = bytes  # a SHA-256 digest
@@ -165,6 +167,51 @@ class BlockPool:
 OUT_OF_WINDOW = KVCacheBlock(0)
 
 
+class BlockTables:
+    """The block ids of every request that holds blocks, a row each in one preallocated array (grown by doubling),
+    kept in step with the manager's block lists as blocks are appended, released out of the window or freed. A step
+    gathers its requests' rows (`gather`, one numpy index) instead of rebuilding every table from Python lists
+    (issue #24's persistent batch: 3.4 us a token at 256 rows on this project's CPU before)."""
+
+    def __init__(self, rows: int = 64, cols: int = 16) -> None:
+        self.ids = np.zeros((rows, cols), dtype=np.int64)
+        self.lens = np.zeros(rows, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def row(self, request_id: str) -> int:
+        row = self.row_of.get(request_id)
+        if row is None:
+            if not self.free_rows:
+                n = len(self.lens)
+                self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+                self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+                self.free_rows = list(range(2 * n - 1, n - 1, -1))
+            row = self.row_of[request_id] = self.free_rows.pop()
+        return row
+
+    def write(self, request_id: str, start: int, blocks: Sequence[KVCacheBlock]) -> None:
+        """Entries start.. of the request's row become these blocks' ids (the row is at least that long after)."""
+        row, end = self.row(request_id), start + len(blocks)
+        if end > self.ids.shape[1]:
+            width = max(end, 2 * self.ids.shape[1])
+            self.ids = np.concatenate([self.ids, np.zeros((len(self.ids), width - self.ids.shape[1]), np.int64)], 1)
+        self.ids[row, start:end] = [b.block_id for b in blocks]
+        self.lens[row] = max(self.lens[row], end)
+
+    def drop(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.lens[row] = 0
+            self.free_rows.append(row)
+
+    def gather(self, request_ids: Iterable[str]) -> np.ndarray:
+        """[requests, longest of their tables] block ids (a copy; entries past a shorter table are stale)."""
+        rows = np.fromiter((self.row_of[r] for r in request_ids), np.int64)
+        width = int(self.lens[rows].max()) if len(rows) else 0
+        return self.ids[rows, :max(width, 1)]
+
+
 class KVCacheManager:
     """Per-request block tables on top of the pool; the scheduler's only view of the KV cache.
 
@@ -184,6 +231,7 @@ class KVCacheManager:
         self.num_released: dict[str, int] = {}  # leading blocks of a request released (out of the window)
         self.pool = BlockPool(num_blocks, enable_caching, max_cached_free_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.tables = BlockTables()  # the same lists' block ids, a row each: what a step gathers
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -243,11 +291,13 @@ class KVCacheManager:
                 del self.req_to_blocks[req.request_id]
             return None
         self.pool.touch(new_computed_blocks)
+        had = len(blocks)
         blocks.extend(new_computed_blocks)
         if self.sliding_window is not None:  # prefix hits older than the window go straight back
             self._release_outside_window(req.request_id, blocks, num_computed)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
+        self.tables.write(req.request_id, had, blocks[had:])
         if self.enable_caching:
             self._cache_full_blocks(req, blocks, total_tokens)
         return new_blocks
@@ -273,18 +323,24 @@ class KVCacheManager:
             return
         released = blocks[start:n]
         blocks[start:n] = [OUT_OF_WINDOW] * (n - start)
+        self.tables.write(request_id, start, blocks[start:n])
         self.pool.free_blocks(released)  # oldest first: evicted first
         self.num_released[request_id] = n
 
     def free(self, req: Request) -> None:
         # Reverse order: a sequence's tail blocks are evicted before its (more shareable) head blocks.
         blocks = self.req_to_blocks.pop(req.request_id, [])
+        self.tables.drop(req.request_id)
         self.pool.free_blocks(b for b in reversed(blocks) if b is not OUT_OF_WINDOW)
         self.num_cached_blocks.pop(req.request_id, None)
         self.num_released.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def block_table(self, reqs: Sequence[Request]) -> np.ndarray:
+        """These requests' block ids, a row each ([requests, longest table]; a shorter row's tail is stale)."""
+        return self.tables.gather(r.request_id for r in reqs)
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks()

@@ -162,8 +162,9 @@ class ModelRunner:
         self.graphs[b].replay()
         return self.g_out[:T]
 
-    def build_step(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[StepInputs, list[Request]]:
-        """Flatten the step into CPU tensors, and which requests sample.
+    def build_step(self, sched: SchedulerOutput, table: np.ndarray) -> tuple[StepInputs, list[Request]]:
+        """Flatten the step into CPU tensors, and which requests sample. table: the requests' block ids, a row each
+        (KVCacheManager.block_table).
 
         Requests come decodes first (one token each), then prefill chunks; a request samples when this
         step reaches its last known token (a prefill chunk short of that only fills the cache). Built with
@@ -201,9 +202,6 @@ class ModelRunner:
             context_lens = np.array(starts, dtype=np.int64) + counts
             cu_seqlens = np.concatenate([[0], np.cumsum(counts[num_decodes:])]).astype(np.int64)
             sample_rows = ends[sample_idx] - 1 if sample_idx else np.zeros(0, dtype=np.int64)
-        table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
-        for i, blocks in enumerate(block_ids):
-            table[i, :len(blocks)] = blocks
         slots = table[seq_of_token, pos // bs] * bs + pos % bs
         if self.longrope is not None:  # tokens of prompts longer than LongRoPE's original length: the long factors
             original, offset = self.longrope
@@ -306,35 +304,35 @@ class ModelRunner:
                 work.wait()
         return torch.cat(logits) if logits else None
 
-    def _micro_batches(self, sched: SchedulerOutput, block_ids: list[list[int]]):
+    def _micro_batches(self, sched: SchedulerOutput, table: np.ndarray):
         """Under PP: the step's requests in up to pp contiguous groups (decodes stay first in each)."""
         n = min(get_pp_size(), len(sched.requests))
         bounds = [len(sched.requests) * i // n for i in range(n + 1)]
         steps, reqs = [], []
         for a, b in zip(bounds, bounds[1:]):
             sub = SchedulerOutput(sched.requests[a:b], sched.num_scheduled_tokens[a:b])
-            step, r = self.build_step(sub, block_ids[a:b])
+            step, r = self.build_step(sub, table[a:b])
             steps.append(step)
             reqs += r
         return steps, reqs
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
+    def execute(self, sched: SchedulerOutput, table: np.ndarray) -> tuple[list[Request], SamplerOutput]:
         """Run one step and wait for its tokens."""
-        reqs, sampled = self.launch(sched, block_ids)
+        reqs, sampled = self.launch(sched, table)
         return reqs, sampled.resolve() if sampled is not None else SamplerOutput([], [])
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_ids: list[list[int]],
+    def launch(self, sched: SchedulerOutput, table: np.ndarray,
                bitmask: Callable[[list[Request]], tuple[torch.Tensor, list[int]] | None] | None = None,
                ) -> tuple[list[Request], SampledTokens | None]:
         """Queue one step on the device and return without waiting: the requests that sample and their tokens
         (None when no row samples). Under TP/PP the step is broadcast to the other ranks first. bitmask(reqs) is
         asked once the forward is queued, so the host fills structured outputs' masks while the device runs it."""
         if get_pp_size() > 1:
-            step, reqs = self._micro_batches(sched, block_ids)
+            step, reqs = self._micro_batches(sched, table)
         else:
-            step, reqs = self.build_step(sched, block_ids)
+            step, reqs = self.build_step(sched, table)
         if get_tp_size() * get_pp_size() > 1:
             broadcast_object(step)  # the other ranks run the same step on their shards
         logits = self.run_step(step)

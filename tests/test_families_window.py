@@ -95,10 +95,13 @@ def test_released_blocks_keep_their_place_in_the_block_table():
     req.num_computed_tokens = 8
     assert kv.allocate_slots(req, 8) is not None  # 8..15: the first query (8) sees 4..8, block 0 goes back
     assert kv.req_to_blocks["r"][0] is OUT_OF_WINDOW and kv.get_block_ids("r") == [0, 1, 2, 3]
+    assert kv.block_table([req]).tolist() == [[0, 1, 2, 3]]  # the step's persistent row says the same
     assert kv.num_free_blocks() == 8 - 3
     req.num_computed_tokens = 16
     assert kv.allocate_slots(req, 4) is not None  # 16..19: sees 12.., blocks 0-2 are out
     assert kv.num_released["r"] == 3 and kv.num_free_blocks() == 8 - 2
     assert kv.get_block_ids("r")[3:] == [3, 4]
+    assert kv.block_table([req]).tolist() == [kv.get_block_ids("r")] and kv.get_block_ids("r")[:3] == [0, 0, 0]
     kv.free(req)
+    assert "r" not in kv.tables.row_of
     assert kv.num_free_blocks() == 8 and all(b.ref_cnt == 0 for b in kv.pool.blocks)

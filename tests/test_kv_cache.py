@@ -332,6 +332,23 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert set(pool.cached_free) == free_hashed and len(free_hashed) <= self.MAX_CACHED_FREE
 
     @invariant()
+    def the_persistent_block_table_rows_equal_the_block_lists(self):
+        # what a step gathers (KVCacheManager.block_table) is each request's list of block ids, whatever was
+        # appended, preempted, freed and re-admitted before; a row per holder, none left for a freed request
+        tables = self.kv.tables
+        assert set(tables.row_of) == set(self.kv.req_to_blocks)
+        assert len(set(tables.row_of.values())) == len(tables.row_of)
+        for rid, blocks in self.kv.req_to_blocks.items():
+            row = tables.row_of[rid]
+            assert tables.ids[row, :tables.lens[row]].tolist() == [b.block_id for b in blocks]
+        if self.running:
+            reqs = [self.running[r] for r in sorted(self.running)]
+            got = self.kv.block_table(reqs)
+            for i, req in enumerate(reqs):
+                ids = self.kv.get_block_ids(req.request_id)
+                assert got[i, :len(ids)].tolist() == ids
+
+    @invariant()
     def tables_cover_exactly_the_computed_tokens(self):
         for rid, req in self.running.items():
             assert len(self.kv.req_to_blocks[rid]) == -(-req.num_computed_tokens // BS)
@@ -416,3 +433,23 @@ def test_requests_with_different_cache_salts_never_share_blocks():
         assert not set(other.block_hashes) & set(a.block_hashes)
     same = make_request("a2", prompt, cache_salt="tenant-a")
     assert [b.block_id for b in prefill(kv, same)] == kv.get_block_ids("a")[:3]
+
+
+def test_block_tables_grow_past_their_first_rows_and_columns_and_reuse_freed_rows():
+    from vserve.core.kv_cache import BlockTables, KVCacheBlock
+
+    t = BlockTables(rows=2, cols=2)
+    lists = {f"r{i}": [KVCacheBlock(1000 * i + j) for j in range(i % 7 + 1)] for i in range(9)}
+    for rid, blocks in lists.items():  # appended a block at a time, as decode steps do
+        for j in range(len(blocks)):
+            t.write(rid, j, blocks[j:j + 1])
+    got = t.gather(lists)
+    for i, blocks in enumerate(lists.values()):
+        assert got[i, :len(blocks)].tolist() == [b.block_id for b in blocks]
+    assert got.shape == (9, 7) and t.ids.shape[0] >= 9
+    row = t.row_of["r3"]
+    t.drop("r3")
+    t.write("new", 0, [KVCacheBlock(5)])
+    assert t.row_of["new"] == row and "r3" not in t.row_of  # the freed row is taken again
+    got = t.gather(["new", "r8"])
+    assert got[0, 0] == 5 and t.lens[row] == 1 and got[1].tolist() == [8000, 8001]  # r8: 8 % 7 + 1 blocks
