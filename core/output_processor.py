@@ -9,7 +9,7 @@ process the text work overlaps the device's step instead of delaying the next on
 from __future__ import annotations
 
 from vserve.core.detokenizer import IncrementalDetokenizer
-from vserve.core.messages import CoreOutput
+from vserve.core.messages import CoreOutput, logprobs_dict
 from vserve.core.request import CompletionOutput, Request, RequestOutput
 
 
@@ -54,8 +54,8 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.logprobs is not None:
-            self.logprobs.append(out.logprobs)
-            self.cumulative_logprob += out.logprobs[out.token_id].logprob
+            self.logprobs.append(logprobs_dict(out.logprobs))
+            self.cumulative_logprob += out.logprobs[1][0]  # the sampled token's
         self.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vserve.core.messages import Logprob  # noqa: F401  (re-exported)
+from vserve.core.messages import CompactLogprobs, Logprob  # noqa: F401  (Logprob re-exported)
 from vserve.core.request import Request
 from vserve.kernels import for_device
 
@@ -27,7 +27,7 @@ from vserve.kernels import for_device
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
+    logprobs: list[CompactLogprobs | None]  # per row, for the rows that want them (messages.logprobs_dict)
 
 
 @dataclass
@@ -56,16 +56,17 @@ class SampledTokens:
             self.event.synchronize()
         tokens, *lp = self.host if self.host is not None else (self.tokens, *self.lp)
         token_ids = tokens.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        logprobs: list[CompactLogprobs | None] = [None] * len(token_ids)
         if self.lp_rows:
             chosen, rank, top_vals, top_ids = (t.tolist() for t in lp)
             for j, i in enumerate(self.lp_rows):
-                tok = token_ids[i]
-                entry = {tok: Logprob(chosen[j], rank[j])}
-                for r in range(self.params[i].logprobs):
-                    if top_ids[j][r] != tok:
-                        entry[top_ids[j][r]] = Logprob(top_vals[j][r], r + 1)
-                logprobs[i] = entry
+                tok, n = token_ids[i], self.params[i].logprobs
+                ids, vals = top_ids[j][:n], top_vals[j][:n]
+                ranks = list(range(1, n + 1))
+                if tok in ids:  # the sampled token comes first, once
+                    at = ids.index(tok)
+                    del ids[at], vals[at], ranks[at]
+                logprobs[i] = ([tok, *ids], [chosen[j], *vals], [rank[j], *ranks])
         return SamplerOutput(token_ids, logprobs)
 
 

@@ -104,3 +104,18 @@ def test_an_offline_front_end_spawns_its_core_where_a_gpu_is_visible(monkeypatch
     assert not use_engine_process(EngineConfig(device="cuda", engine_process=False), serving=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert not use_engine_process(EngineConfig(device="auto"), serving=False)
+
+
+def test_a_started_engine_freezes_the_start_up_heap_and_relaxes_young_collections(default_model_dir):
+    """After start-up the front end's process (here with the core in it) holds its start-up objects out of the
+    collector's scans and collects the young generation every GC_THRESHOLD_0 allocations (core_client.tune_gc)."""
+    code = ("import gc, sys\nfrom vserve import LLM\nbefore = gc.get_threshold()[0]\n"
+            "llm = LLM(model=sys.argv[1], max_model_len=256)\n"
+            "print(before, gc.get_threshold()[0], gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code, str(default_model_dir)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr
+    before, after, frozen = map(int, out.stdout.split()[-3:])
+    from vserve.core.core_client import GC_THRESHOLD_0
+
+    assert before < GC_THRESHOLD_0 <= after and frozen > 10_000

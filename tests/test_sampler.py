@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from vserve.core.messages import logprobs_dict
 from vserve.core.request import Request
 from vserve.core.sampler import (
     Logprob,
@@ -287,6 +288,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_n_ranked_1_to_n():
     raw = logits.log_softmax(-1)
 
     out = Sampler()(logits, reqs)
+    lps = [None if lp is None else logprobs_dict(lp) for lp in out.logprobs]
 
     chosen = out.token_ids[0]
     assert chosen == weakest
@@ -294,21 +296,21 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_n_ranked_1_to_n():
     expected = {chosen: Logprob(pytest.approx(float(raw[0, chosen]), abs=1e-6), vocab)}
     for rank, (v, t) in enumerate(zip(top_vals.tolist(), top_ids.tolist()), start=1):
         expected[t] = Logprob(pytest.approx(v, abs=1e-6), rank)
-    assert out.logprobs[0] == expected
-    assert list(out.logprobs[0])[0] == chosen  # the sampled token comes first
+    assert lps[0] == expected
+    assert list(lps[0])[0] == chosen  # the sampled token comes first
 
     t1 = out.token_ids[1]
     rank1 = int((raw[1] > raw[1, t1]).sum()) + 1
-    assert out.logprobs[1] == {t1: Logprob(pytest.approx(float(raw[1, t1]), abs=1e-6), rank1)}
-    assert out.logprobs[2] is None
+    assert lps[1] == {t1: Logprob(pytest.approx(float(raw[1, t1]), abs=1e-6), rank1)}
+    assert lps[2] is None
 
 
 def test_logprobs_hold_n_entries_when_the_sampled_token_is_among_the_top_n():
     logits = random_logits(1, 20, 7)
     out = Sampler()(logits, [make_req(temperature=0.0, logprobs=4)])
 
-    lp = out.logprobs[0]
-    assert len(lp) == 4
+    lp = logprobs_dict(out.logprobs[0])
+    assert list(lp)[0] == out.token_ids[0] and len(lp) == 4
     assert sorted(v.rank for v in lp.values()) == [1, 2, 3, 4]
     assert lp[out.token_ids[0]].rank == 1
 
@@ -382,6 +384,7 @@ def test_batched_logprobs_match_each_rows_log_softmax():
         if n is None:
             assert entry is None
             continue
+        entry = logprobs_dict(entry)
         tok = out.token_ids[i]
         assert entry[tok].logprob == pytest.approx(float(raw[i, tok]))
         assert entry[tok].rank == int((raw[i] > raw[i, tok]).sum()) + 1
