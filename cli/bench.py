@@ -133,7 +133,7 @@ def hf_model_folder(engine_args: dict[str, Any]) -> tuple[Path, str]:
     """The HF folder vserve loaded (the default model's converted folder when --model is not given)."""
     from vserve.core.config import EngineConfig
     from vserve.core.hub import resolve_model_files
-    from vserve.core.loader import resolve_model
+    from vserve.core.model_config import resolve_model
     from vserve.ops.assets import default_model_path
 
     config = resolve_model_files(EngineConfig.resolve(engine_args))

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from vserve.core.loader import DTYPES, count_safetensors, iter_safetensors, load_weights, safetensors_files
-from vserve.core.model_config import BERT_ARCHITECTURES, is_embedding_model  # noqa: F401  (re-exported)
+from vserve.core.model_config import BERT_ARCHITECTURES, is_embedding_model
 from vserve.core.models.bert import BertConfig, BertModel
 from vserve.ops.progress import progress_bar
 

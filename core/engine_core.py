@@ -19,10 +19,11 @@ import torch
 from vserve.core.config import EngineConfig
 from vserve.core.kv_cache import KVCacheManager
 from vserve.core.layers.rotary import longrope_offset
-from vserve.core.loader import build_model, model_source, needs_activation_profile, pick_device, pick_dtype
+from vserve.core.loader import build_model, needs_activation_profile, pick_device, pick_dtype
 from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
 from vserve.core.messages import CoreInfo, CoreOutput, CoreStats, EngineStats
+from vserve.core.model_config import model_source
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
 from vserve.core.prompt_logprobs import take as take_prompt_logprobs

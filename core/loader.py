@@ -1,4 +1,4 @@
-"""Find a model's files (`model_source`), pick its device and dtype, build it and load its weights (safetensors,
+"""Load a model: pick its device and dtype, build it and load its weights (safetensors,
 GGUF or dummy)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.distributed import get_pp_size
 from vserve.core.layers.norm import GemmaRMSNorm
 from vserve.core.layers.quantization import QuantConfig
-from vserve.core.model_config import ModelConfig, model_source, resolve_model  # noqa: F401  (re-exported)
+from vserve.core.model_config import ModelConfig, model_source
 from vserve.core.models import get_model_class
 from vserve.ops.progress import progress_bar
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vserve.core.messages import CompactLogprobs, Logprob  # noqa: F401  (Logprob re-exported)
+from vserve.core.messages import CompactLogprobs
 from vserve.core.request import Request
 from vserve.kernels import for_device
 

@@ -449,7 +449,7 @@ def source_folder(model: str | None) -> Iterator[Path]:
 
     from vserve.core.config import EngineConfig
     from vserve.core.hub import resolve_model_files
-    from vserve.core.loader import resolve_model
+    from vserve.core.model_config import resolve_model
     from vserve.ops.assets import convert_gguf_to_hf, default_model_path
 
     if model is None:

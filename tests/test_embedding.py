@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from vserve.core.embedding import EmbeddingEngine, is_embedding_model
+from vserve.core.embedding import EmbeddingEngine
+from vserve.core.model_config import is_embedding_model
 
 TEXTS = [
     "",

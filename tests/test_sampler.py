@@ -7,10 +7,9 @@ import itertools
 import pytest
 import torch
 
-from vserve.core.messages import logprobs_dict
+from vserve.core.messages import Logprob, logprobs_dict
 from vserve.core.request import Request
 from vserve.core.sampler import (
-    Logprob,
     Sampler,
     TokenCounts,
     apply_penalties,
