@@ -19,34 +19,44 @@ from vserve.ops import startup
 
 # The model types of SUPPORTED_ARCHITECTURES for which AutoTokenizer takes a tokenizer_config.json's generic class as
 # it is (tests/test_front_end_imports.py checks each against the installed transformers). Not qwen2: transformers
-# loads Qwen2Tokenizer for it whatever the folder names.
+# loads Qwen2Tokenizer for it whatever the folder names, as it does for a folder naming Qwen2Tokenizer.
 GENERIC_TOKENIZER_MODEL_TYPES = frozenset({
     "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma",
     "gemma2", "gemma3_text", "phi3", "cohere", "cohere2", "starcoder2"})
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_QWEN2_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+QWEN_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})  # where checkpoints name Qwen2Tokenizer
 
 
-def generic_tokenizer_class(path: Path):
-    """transformers' TokenizersBackend where AutoTokenizer would load the folder with it: tokenizer_config.json names
-    a generic fast class, tokenizer.json holds the whole tokenizer, no custom code (auto_map), and the model type (if
-    the folder has a config.json) is one whose hub class AutoTokenizer trusts. Else None. Loading through it skips
-    AutoTokenizer's imports (the model's config classes and torch): 2.2 -> 0.8 s on this project's CPU, the front
-    end's largest start-up phase (docs/performance.md)."""
+def direct_tokenizer_class(path: Path):
+    """The transformers class AutoTokenizer would load the folder with, imported without AutoTokenizer, or None:
+    TokenizersBackend for a generic class name (TokenizersBackend, PreTrainedTokenizerFast) under a model type whose
+    hub class AutoTokenizer trusts, Qwen2Tokenizer for a Qwen folder naming it or a generic class under qwen2. Only
+    where tokenizer.json holds the whole tokenizer and there is no custom code (auto_map). AutoTokenizer's own
+    imports (the model config classes and torch) were 2.2 s of the front end's start on this project's CPU, its
+    largest phase (docs/performance.md)."""
     try:
         tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
         model_type = json.loads((path / "config.json").read_text()).get("model_type") if (
             path / "config.json").exists() else None
     except (OSError, ValueError):
         return None
-    if (tok_cfg.get("tokenizer_class") not in _GENERIC_CLASSES or "auto_map" in tok_cfg
-            or not (path / "tokenizer.json").is_file()
-            or (model_type is not None and model_type not in GENERIC_TOKENIZER_MODEL_TYPES)):
+    declared = tok_cfg.get("tokenizer_class")
+    if "auto_map" in tok_cfg or not (path / "tokenizer.json").is_file():
         return None
     try:
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        if (declared in _QWEN2_CLASSES and (model_type is None or model_type in QWEN_MODEL_TYPES)
+                or declared in _GENERIC_CLASSES and model_type == "qwen2"):
+            from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+            return Qwen2Tokenizer
+        if declared in _GENERIC_CLASSES and (model_type is None or model_type in GENERIC_TOKENIZER_MODEL_TYPES):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend
     except ImportError:  # transformers 4
         return None
-    return TokenizersBackend
+    return None
 
 
 def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
@@ -54,7 +64,7 @@ def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
         from vserve.core.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(path)
-    if path.is_dir() and (cls := generic_tokenizer_class(path)) is not None:
+    if path.is_dir() and (cls := direct_tokenizer_class(path)) is not None:
         try:
             return cls.from_pretrained(str(path))
         except (OSError, ValueError) as e:

@@ -11,7 +11,12 @@ import pytest
 
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import use_engine_process
-from vserve.core.processor import GENERIC_TOKENIZER_MODEL_TYPES, generic_tokenizer_class, load_tokenizer
+from vserve.core.processor import (
+    GENERIC_TOKENIZER_MODEL_TYPES,
+    QWEN_MODEL_TYPES,
+    direct_tokenizer_class,
+    load_tokenizer,
+)
 
 FRONT_END = """
 import json, sys
@@ -59,17 +64,20 @@ def _tokenizer_folder(tmp_path, src, model_type: str | None, tokenizer_class: st
     return d
 
 
-@pytest.mark.parametrize("tokenizer_class", ["TokenizersBackend", "PreTrainedTokenizerFast"])
-def test_the_generic_tokenizer_is_the_one_autotokenizer_loads(tmp_path, default_model_dir, tokenizer_class):
-    """For every model type vserve serves, a folder naming a generic class loads through the fast path to the class
-    AutoTokenizer picks, with the same ids, special tokens and chat template output."""
+@pytest.mark.parametrize("tokenizer_class", ["TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer",
+                                             "Qwen2TokenizerFast"])
+def test_the_direct_tokenizer_is_the_one_autotokenizer_loads(tmp_path, default_model_dir, tokenizer_class):
+    """For every model type vserve serves (and a folder without config.json), a folder naming a generic class, and a
+    Qwen folder naming Qwen2's, loads through the direct path to the class AutoTokenizer picks, with the same ids,
+    special tokens and chat template output."""
     from transformers import AutoTokenizer
 
     text = "Hello <|im_start|> world, ünïcode 12345!\n  two  spaces"
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    for model_type in [*sorted(GENERIC_TOKENIZER_MODEL_TYPES), None]:
+    qwen = tokenizer_class.startswith("Qwen2")
+    for model_type in [*sorted(QWEN_MODEL_TYPES if qwen else GENERIC_TOKENIZER_MODEL_TYPES | {"qwen2"}), None]:
         d = _tokenizer_folder(tmp_path, default_model_dir, model_type, tokenizer_class)
-        assert generic_tokenizer_class(d) is not None, model_type
+        assert direct_tokenizer_class(d) is not None, model_type
         fast, auto = load_tokenizer(d, "safetensors", False), AutoTokenizer.from_pretrained(str(d))
         assert type(fast) is type(auto), model_type
         assert fast(text).input_ids == auto(text).input_ids, model_type
@@ -79,19 +87,18 @@ def test_the_generic_tokenizer_is_the_one_autotokenizer_loads(tmp_path, default_
             auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), model_type
 
 
-def test_folders_the_fast_path_cannot_vouch_for_go_through_autotokenizer(tmp_path, default_model_dir):
+def test_folders_the_direct_path_cannot_vouch_for_go_through_autotokenizer(tmp_path, default_model_dir):
     named = _tokenizer_folder(tmp_path, default_model_dir, "llama", "GPT2Tokenizer")
-    assert generic_tokenizer_class(named) is None
-    assert generic_tokenizer_class(_tokenizer_folder(tmp_path, default_model_dir, "llama", "TokenizersBackend",
-                                                     auto_map=True)) is None
-    qwen2 = _tokenizer_folder(tmp_path, default_model_dir, "qwen2", "TokenizersBackend")
-    assert generic_tokenizer_class(qwen2) is None  # transformers picks Qwen2Tokenizer for it
-    from transformers import AutoTokenizer
-
-    assert type(load_tokenizer(qwen2, "safetensors", False)) is type(AutoTokenizer.from_pretrained(str(qwen2)))
+    assert direct_tokenizer_class(named) is None
+    assert direct_tokenizer_class(_tokenizer_folder(tmp_path, default_model_dir, "llama", "TokenizersBackend",
+                                                    auto_map=True)) is None
+    assert direct_tokenizer_class(_tokenizer_folder(tmp_path, default_model_dir, "internlm2",
+                                                    "TokenizersBackend")) is None  # a type vserve does not serve
+    # AutoTokenizer loads TokenizersBackend for a Mistral folder naming Qwen2Tokenizer: not vouched for here
+    assert direct_tokenizer_class(_tokenizer_folder(tmp_path, default_model_dir, "mistral", "Qwen2Tokenizer")) is None
     no_json = _tokenizer_folder(tmp_path, default_model_dir, "llama", "PreTrainedTokenizerFast")
     (no_json / "tokenizer.json").unlink()
-    assert generic_tokenizer_class(no_json) is None
+    assert direct_tokenizer_class(no_json) is None
     # the AutoTokenizer route still loads a named class (GPT2Tokenizer from the same tokenizer.json)
     assert type(load_tokenizer(named, "safetensors", False)).__name__ == "GPT2Tokenizer"
 
