@@ -64,15 +64,13 @@ def load_tokenizer(path: Path, fmt: str, trust_remote_code: bool):
         from vserve.core.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(path)
-    if path.is_dir() and (cls := direct_tokenizer_class(path)) is not None:
-        try:
-            return cls.from_pretrained(str(path))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
-    from transformers import AutoTokenizer
+    cls, kwargs = direct_tokenizer_class(path) if path.is_dir() else None, {}  # no remote code: no auto_map there
+    if cls is None:
+        from transformers import AutoTokenizer
 
+        cls, kwargs = AutoTokenizer, {"trust_remote_code": trust_remote_code}
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return cls.from_pretrained(str(path), **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from None
 
