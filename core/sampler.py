@@ -70,11 +70,22 @@ class SampledTokens:
         return SamplerOutput(token_ids, logprobs)
 
 
+def column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: on CUDA through pinned memory, copied behind
+    the work already queued. (`torch.tensor(values, device=cuda)` copies from pageable memory, which first waits
+    for the stream: in the step path that stalls the host until the forward in flight ends, and async scheduling
+    gains nothing.)"""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def batched_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
                      params: list) -> tuple[torch.Tensor, ...]:
     """For `rows`: (the sampled token's log-softmax, its rank (1 = most likely), the top-N log-softmax values and
     ids with N the largest asked), from the raw logits, as device tensors: nothing is read back here."""
-    idx = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
+    idx = column(rows, logits.device, torch.long) if len(rows) < logits.shape[0] else None
     raw = (logits if idx is None else logits.index_select(0, idx)).log_softmax(-1)
     chosen = raw.gather(1, (tokens if idx is None else tokens.index_select(0, idx)).unsqueeze(1))
     rank = (raw > chosen).sum(-1) + 1
@@ -110,9 +121,9 @@ class TokenCounts:
         # New, or counted tokens that were not sampled here (set by hand): the host lists are complete then.
         self.counts[row].zero_()
         self.prompt[row].zero_()
-        self.prompt[row, torch.tensor(req.prompt_token_ids, device=self.device)] = True
+        self.prompt[row, column(req.prompt_token_ids, self.device, torch.long)] = True
         if req.output_token_ids:
-            out = torch.tensor(req.output_token_ids, device=self.device)
+            out = column(req.output_token_ids, self.device, torch.long)
             self.counts[row] = torch.bincount(out, minlength=self.vocab)[:self.vocab].to(torch.int32)
         self.num_counted[rid] = req.num_output_tokens
         return row
@@ -161,8 +172,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def apply_penalties_batched(logits: torch.Tensor, reqs: list[Request], counts: TokenCounts,
-                            column) -> tuple[torch.Tensor, list[int], list[str]] | None:
+def apply_penalties_batched(logits: torch.Tensor, reqs: list[Request],
+                            counts: TokenCounts) -> tuple[torch.Tensor, list[int], list[str]] | None:
     """apply_penalties with each kind of work done once for the whole batch: logit_bias and min_tokens as one
     scatter each, the penalties over the TokenCounts rows of the requests that have them. min_tokens counts the
     token in flight (num_pending). Returns what to count after sampling: (the penalty rows' TokenCounts rows, their
@@ -254,13 +265,6 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
-    @staticmethod
-    def _column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
-
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         return self.sample(logits, reqs).resolve()
 
@@ -277,13 +281,13 @@ class Sampler:
             logits = logits.clone()  # logprobs are of the raw logits
             # the host words go to the device behind the step's queue; the next fill waits for this step's tokens
             for_device(logits).apply_token_bitmask(logits, mask.to(dev, non_blocking=True),
-                                                   self._column(rows, dev, torch.long))
+                                                   column(rows, dev, torch.long))
         if any(sp.needs_logit_processing for sp in params):
             if logits is raw:
                 logits = logits.clone()
             if self.counts is None or self.counts.vocab != logits.shape[1] or self.counts.device != dev:
                 self.counts = TokenCounts(logits.shape[1], dev)
-            counted = apply_penalties_batched(logits, reqs, self.counts, self._column)
+            counted = apply_penalties_batched(logits, reqs, self.counts)
 
         greedy = [sp.greedy for sp in params]
         if all(greedy):
@@ -292,15 +296,15 @@ class Sampler:
             temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
             scaled = logits
             if any(t != 1.0 for t in temps):
-                scaled = logits / self._column(temps, dev, logits.dtype).unsqueeze(1)
+                scaled = logits / column(temps, dev, logits.dtype).unsqueeze(1)
             top_k = [0 if g else sp.top_k for g, sp in zip(greedy, params)]
             top_p = [1.0 if g else sp.top_p for g, sp in zip(greedy, params)]
             min_p = [0.0 if g else sp.min_p for g, sp in zip(greedy, params)]
             scaled = top_k_top_p_min_p(
                 scaled,
-                self._column(top_k, dev, torch.long) if any(k > 0 for k in top_k) else None,
-                self._column(top_p, dev, logits.dtype) if any(p < 1 for p in top_p) else None,
-                self._column(min_p, dev, logits.dtype) if any(m > 0 for m in min_p) else None,
+                column(top_k, dev, torch.long) if any(k > 0 for k in top_k) else None,
+                column(top_p, dev, logits.dtype) if any(p < 1 for p in top_p) else None,
+                column(min_p, dev, logits.dtype) if any(m > 0 for m in min_p) else None,
             )
             # Inverse-CDF draw (sample_from_logits: one Triton kernel on CUDA): one uniform u in [0, 1) per row,
             # from the request's own generator when seeded (so its tokens do not depend on the batch), else from
@@ -319,10 +323,10 @@ class Sampler:
                 u[seeded] = draws.to(device=dev, dtype=scaled.dtype)
             tokens = for_device(scaled).sample_from_logits(scaled, u)
             if any(greedy):
-                tokens = torch.where(self._column(greedy, dev, torch.bool), logits.argmax(dim=-1), tokens)
+                tokens = torch.where(column(greedy, dev, torch.bool), logits.argmax(dim=-1), tokens)
         if counted is not None:
             slots, rows, ids = counted
-            self.counts.add(slots, tokens.index_select(0, self._column(rows, dev, torch.long)), ids)
+            self.counts.add(slots, tokens.index_select(0, column(rows, dev, torch.long)), ids)
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         out = SampledTokens(tokens, params, lp_rows, batched_logprobs(raw, tokens, lp_rows, params) if lp_rows else ())
         if dev.type == "cuda":

@@ -344,7 +344,7 @@ def test_batched_penalties_equal_the_per_row_reference(seed):
     apply_penalties(want, reqs)
 
     got = logits.clone()
-    apply_penalties_batched(got, reqs, TokenCounts(vocab, got.device), Sampler._column)
+    apply_penalties_batched(got, reqs, TokenCounts(vocab, got.device))
 
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -361,7 +361,7 @@ def test_token_counts_include_the_token_still_in_flight():
     req.num_pending = 1  # launched: its token is not appended yet
     second_logits = random_logits(1, vocab, 8)
     processed = second_logits.clone()
-    apply_penalties_batched(processed, [req], sampler.counts, Sampler._column)
+    apply_penalties_batched(processed, [req], sampler.counts)
 
     token = first.resolve().token_ids[0]
     req.append_token(token)
