@@ -19,7 +19,7 @@ from vserve.core.config import EngineConfig
 from vserve.core.core_client import InprocClient, start_core
 from vserve.core.lora.adapter import LoRARequest
 from vserve.core.lora.registry import LoRARegistry, set_adapter
-from vserve.core.messages import CoreStats, EngineStats
+from vserve.core.messages import CoreStats, EngineStats, StepOutputs
 from vserve.core.output_processor import OutputProcessor, RequestState
 from vserve.core.processor import InputProcessor
 from vserve.core.request import CompletionOutput, Request, RequestOutput
@@ -272,7 +272,7 @@ class AsyncLLM:
             log.error("engine loop stopped: %r", e, exc_info=e)
             self._fail(e, repr(e))
 
-    def _on_step(self, core_outputs: list, stats: CoreStats) -> None:
+    def _on_step(self, core_outputs: StepOutputs, stats: CoreStats) -> None:
         self.engine.update(stats)
         if self.on_step is not None:
             self.on_step(self.engine, stats.last_step_tokens, stats.step_seconds)

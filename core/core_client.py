@@ -2,8 +2,9 @@
 
 Front end -> core: ("add", [encoded child requests]), ("abort", [child request ids]), ("load_lora", (lora id,
 name, path)), ("remove_lora", lora id), ("shutdown", None).
-Core -> front end: ("step", [CoreOutput, ...], CoreStats) once per step; ("stats", CoreStats) when adds or aborts
-changed the cache while nothing runs; ("dead", reason) when the core raised.
+Core -> front end: ("step", StepOutputs, CoreStats) once per step (the new tokens as columns, core/messages.py);
+("stats", CoreStats) when adds or aborts changed the cache while nothing runs; ("dead", reason) when the core
+raised.
 
 `CoreLoop` is the core's side of it: it applies the commands in arrival order and steps while there is work.
 `InprocClient` runs it on the caller's thread (`recv()` steps the core: the CPU path, TP, and the server's

@@ -22,7 +22,7 @@ from vserve.core.layers.rotary import longrope_offset
 from vserve.core.loader import build_model, needs_activation_profile, pick_device, pick_dtype
 from vserve.core.lora import attach_lora
 from vserve.core.memory import GiB, plan_memory
-from vserve.core.messages import CoreInfo, CoreOutput, CoreStats, EngineStats
+from vserve.core.messages import CoreInfo, CoreOutput, CoreStats, EngineStats, StepOutputs
 from vserve.core.model_config import model_source
 from vserve.core.model_runner import ModelRunner, kv_cache_torch_dtype
 from vserve.core.processor import max_model_len_for
@@ -122,7 +122,7 @@ class EngineCore:
         self.async_scheduling = (self.device.type == "cuda" and not multi if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: tuple[list[Request], SampledTokens | None] | None = None  # launched, not yet processed
-        self.early_outs: list[CoreOutput] = []  # the step before's outputs, processed to fill a grammar bitmask
+        self.early_outs: StepOutputs | None = None  # the step before's outputs, processed to fill a grammar bitmask
         self.structured = StructuredOutputManager(mc.vocab_size)
         self.num_grammars = 0  # live requests with a structured output
         self.requests: dict[str, Request] = {}
@@ -186,7 +186,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self) -> list[CoreOutput]:
+    def step(self) -> StepOutputs:
         """schedule -> run -> sample -> append and check token stops -> each sampling request's new token.
 
         With async scheduling the step is launched and the previous step's tokens are processed while it runs,
@@ -194,9 +194,9 @@ class EngineCore:
         stopped in the step before may have been scheduled once more: that token is dropped."""
         if self.failure is not None:
             raise self.failure
-        outs: list[CoreOutput] = []
+        outs = StepOutputs()
         if self.in_flight is not None and not self._can_overlap():
-            outs += self._process(self.in_flight)
+            outs.extend(self._process(self.in_flight))
             self.in_flight = None
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_tokens
@@ -204,18 +204,18 @@ class EngineCore:
             if self.in_flight is None and not outs:
                 if self.scheduler.waiting and not self.scheduler.running:
                     raise RuntimeError("a waiting request cannot be scheduled even with an empty KV cache")
-                return []
+                return outs
             launched = None
         else:
             launched = self._launch(sched)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
-            outs += self._process(prev)
+            outs.extend(self._process(prev))
         if not self.async_scheduling and self.in_flight is not None:
-            outs += self._process(self.in_flight)
+            outs.extend(self._process(self.in_flight))
             self.in_flight = None
-        if self.early_outs:
-            outs, self.early_outs = self.early_outs + outs, []
+        if self.early_outs is not None:
+            outs, self.early_outs = self.early_outs.extend(outs), None
         return outs
 
     def _can_overlap(self) -> bool:
@@ -248,7 +248,8 @@ class EngineCore:
         if not any(r.grammar is not None for r in reqs):
             return None
         if self.in_flight is not None:
-            self.early_outs += self._process(self.in_flight)
+            early = self._process(self.in_flight)
+            self.early_outs = early if self.early_outs is None else self.early_outs.extend(early)
             self.in_flight = None
         return self.structured.bitmask([r.grammar for r in reqs])
 
@@ -259,33 +260,42 @@ class EngineCore:
             req.grammar = None
             self.num_grammars -= 1
 
-    def _process(self, launched: tuple[list[Request], SampledTokens | None]) -> list[CoreOutput]:
+    def _process(self, launched: tuple[list[Request], SampledTokens | None]) -> StepOutputs:
         """Append a launched step's tokens (waiting for them) and check the token stops."""
         reqs, sampled = launched
+        outs = StepOutputs()
         if sampled is None:
-            return []
+            return outs
         out = sampled.resolve()
         now = time.monotonic()
-        outs = []
+        running = RequestStatus.RUNNING
+        plain_ids, plain_tokens = outs.request_ids, outs.token_ids
         for req, token, lp in zip(reqs, out.token_ids, out.logprobs):
             req.num_pending -= 1
-            if req.status.finished:  # stopped by the step before, or aborted, while this one ran
+            if req.status is not running and req.status.finished:  # stopped by the step before, or aborted
                 continue
-            if req.first_token_time is None:
+            first = req.first_token_time is None
+            if first:
                 req.first_token_time = now
             req.append_token(token)
-            self.num_generated_tokens += 1
-            plp = take_prompt_logprobs(req) if req.sampling_params.prompt_logprobs is not None else None
+            sp = req.sampling_params
+            plp = take_prompt_logprobs(req) if sp.prompt_logprobs is not None else None
             status = self._check_stop(req, token)
             if status is None and req.grammar is not None and self.structured.accept(req.grammar, token):
                 status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
             if status is None:
-                outs.append(CoreOutput(req.request_id, token, lp, None, None, req.num_cached_tokens, None, None, plp))
+                if first or lp is not None or plp is not None:
+                    outs.add_full(CoreOutput(req.request_id, token, lp, None, None, max(req.num_cached_tokens, 0),
+                                             None, None, plp))
+                else:  # the common row: its token alone
+                    plain_ids.append(req.request_id)
+                    plain_tokens.append(token)
                 continue
             self._finish(req, status)
             del self.requests[req.request_id]
-            outs.append(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
-                                   max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time, plp))
+            outs.add_full(CoreOutput(req.request_id, token, lp, status.value, req.stop_reason,
+                                     max(req.num_cached_tokens, 0), req.first_token_time, req.scheduled_time, plp))
+        self.num_generated_tokens += len(outs)
         return outs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

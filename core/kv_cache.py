@@ -270,14 +270,17 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Reserve blocks for `num_new_tokens` more tokens; None (and nothing changed) if they don't fit."""
-        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        rid = req.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None:
+            blocks = self.req_to_blocks[rid] = []
         bs = self.block_size
         if self.sliding_window is not None and blocks:
-            self._release_outside_window(req.request_id, blocks, req.num_computed_tokens)
+            self._release_outside_window(rid, blocks, req.num_computed_tokens)
         total_tokens = req.num_computed_tokens + num_new_tokens
         if not new_computed_blocks and total_tokens <= len(blocks) * bs and (
-                not self.enable_caching or min(total_tokens, req.num_tokens) // bs
-                <= self.num_cached_blocks.get(req.request_id, 0)):
+                not self.enable_caching or min(total_tokens, len(req.all_token_ids)) // bs
+                <= self.num_cached_blocks.get(rid, 0)):
             return []  # the common decode step: room in the last block, no block newly full
         new_computed_blocks = new_computed_blocks or []
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * bs

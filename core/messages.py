@@ -7,7 +7,7 @@ starts tokenizing while that process is still importing torch and loading weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vserve.core.request import Request
@@ -72,6 +72,34 @@ class CoreOutput(NamedTuple):
     first_token_time: float | None
     scheduled_time: float | None
     prompt_logprobs: list | None = None  # with the first token of a request that asked for them
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """One step's new tokens, as columns: row i is request_ids[i]'s token_ids[i]. The rows that carry more than a
+    token (their first token, with its cache hits; logprobs; prompt logprobs; a finish) also have their CoreOutput
+    in `full`, by row. At 256 rows the columns pickle ~25x faster than a CoreOutput a row (0.35 ms a step on this
+    project's CPU), and the engine process sends one of these every step."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    full: dict[int, CoreOutput] = field(default_factory=dict)
+
+    def add_full(self, out: CoreOutput) -> None:
+        self.full[len(self.request_ids)] = out
+        self.request_ids.append(out.request_id)
+        self.token_ids.append(out.token_id)
+
+    def extend(self, later: StepOutputs) -> StepOutputs:
+        """These rows, then `later`'s (self, extended)."""
+        n = len(self.request_ids)
+        self.request_ids += later.request_ids
+        self.token_ids += later.token_ids
+        self.full.update({n + i: out for i, out in later.full.items()})
+        return self
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass(frozen=True)

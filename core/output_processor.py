@@ -9,7 +9,7 @@ process the text work overlaps the device's step instead of delaying the next on
 from __future__ import annotations
 
 from vserve.core.detokenizer import IncrementalDetokenizer
-from vserve.core.messages import CoreOutput, logprobs_dict
+from vserve.core.messages import CoreOutput, StepOutputs, logprobs_dict
 from vserve.core.request import CompletionOutput, Request, RequestOutput
 
 
@@ -48,26 +48,30 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids
 
-    def append(self, out: CoreOutput) -> bool:
-        """Add the core's token; True when a stop string ended the request here (the core must abort it)."""
-        self.token_ids.append(out.token_id)
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.logprobs is not None:
-            self.logprobs.append(logprobs_dict(out.logprobs))
-            self.cumulative_logprob += out.logprobs[1][0]  # the sampled token's
-        self.num_cached_tokens = out.num_cached_tokens
-        if out.finish_reason is not None:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-            self.first_token_time, self.scheduled_time = out.first_token_time, out.scheduled_time
+    def append(self, token_id: int, out: CoreOutput | None) -> bool:
+        """Add the core's token (out: the row's CoreOutput when it carries more than the token); True when a stop
+        string ended the request here (the core must abort it)."""
+        self.token_ids.append(token_id)
+        finish = None
+        if out is not None:
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs = out.prompt_logprobs
+            if out.logprobs is not None:
+                self.logprobs.append(logprobs_dict(out.logprobs))
+                self.cumulative_logprob += out.logprobs[1][0]  # the sampled token's
+            self.num_cached_tokens = out.num_cached_tokens
+            finish = out.finish_reason
+            if finish is not None:
+                self.finish_reason, self.stop_reason = finish, out.stop_reason
+                self.first_token_time, self.scheduled_time = out.first_token_time, out.scheduled_time
         params = self.request.sampling_params
-        if self.detok is None or (out.finish_reason == "stop" and out.token_id in params.all_stop_token_ids):
+        if self.detok is None or (finish == "stop" and token_id in params.all_stop_token_ids):
             return False  # a stop token's text is not shown (a completed grammar's last token is)
-        stop_str = self.detok.update(out.token_id, check_stop=len(self.token_ids) >= params.min_tokens)
+        stop_str = self.detok.update(token_id, check_stop=len(self.token_ids) >= params.min_tokens)
         if stop_str is None:
             return False
         self.finish_reason, self.stop_reason = "stop", stop_str
-        return out.finish_reason is None
+        return finish is None
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -111,7 +115,7 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process(self, outputs: list[CoreOutput], delta: bool = False,
+    def process(self, outputs: StepOutputs, delta: bool = False,
                 finished_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
         """(the outputs of the requests this step changed, or with finished_only of those it finished; the ids the
         core must abort because a stop string ended them here). Tokens of requests already finished or aborted
@@ -120,12 +124,13 @@ class OutputProcessor:
         changed: dict[str, None] = {}
         aborts = []
         states = self.states
-        for out in outputs:
-            state = states.get(out.request_id)
+        full = outputs.full
+        for i, (rid, token) in enumerate(zip(outputs.request_ids, outputs.token_ids)):
+            state = states.get(rid)
             if state is None or state.finish_reason is not None:
                 continue
-            if state.append(out):
-                aborts.append(out.request_id)
+            if state.append(token, full.get(i)):
+                aborts.append(rid)
             if not finished_only or state.finish_reason is not None:
                 changed[state.request.parent_id] = None
         outs = [self._make_output(pid, delta) for pid in changed]

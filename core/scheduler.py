@@ -50,21 +50,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
+        max_len, max_chunk, kv = self.max_model_len, self.max_chunk, self.kv
+        # Decodes first, then prefills: the attention backend batches the single-token rows together. A list
+        # each, in running order (what is admitted below runs last), filled as requests are scheduled.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        prefill_nums: list[int] = []
 
-        # 1. Running requests, oldest first; the newest is preempted when blocks run out. Under async scheduling
-        # a request's token sampled by the step in flight counts as known (num_pending); one that will then
-        # have reached its length limit is not scheduled again.
+        # 1. Running requests, oldest first; the newest is preempted when blocks run out (never one scheduled
+        # already: they come first). Under async scheduling a request's token sampled by the step in flight counts
+        # as known (num_pending); one that will then have reached its length limit is not scheduled again.
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
-                                    or req.num_tokens + req.num_pending >= self.max_model_len):
+        running = self.running
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.all_token_ids) + req.num_pending
+            if req.num_pending and (len(req.output_token_ids) + req.num_pending >= req.max_tokens
+                                    or num_tokens >= max_len):
                 i += 1
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, self.max_chunk)
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
+            num_new = min(num_tokens - req.num_computed_tokens, budget, max_chunk)
+            while kv.allocate_slots(req, num_new) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -72,12 +79,16 @@ class Scheduler:
                     break
             if num_new == 0:
                 break
-            scheduled[req.request_id] = num_new
+            if num_new == 1:
+                decodes.append(req)
+            else:
+                prefills.append(req)
+                prefill_nums.append(num_new)
             budget -= num_new
             i += 1
 
         # 2. Waiting requests, in arrival order, while nothing was preempted this step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token in flight: admit it once that token is appended
                 break
@@ -85,14 +96,14 @@ class Scheduler:
                 break
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            num_new = min(num_new, self.max_chunk)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            num_new = min(num_new, max_chunk)
+            if kv.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
             if self.lora is not None:
@@ -102,15 +113,16 @@ class Scheduler:
                 req.num_cached_tokens = num_hit_tokens
                 req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id] = num_new
+            running.append(req)
+            if num_new == 1:
+                decodes.append(req)
+            else:
+                prefills.append(req)
+                prefill_nums.append(num_new)
             budget -= num_new
 
-        # Decodes first, then prefills: the attention backend batches the single-token rows together.
-        reqs = [r for r in self.running if r.request_id in scheduled]
-        reqs.sort(key=lambda r: scheduled[r.request_id] != 1)
-        out.requests = reqs
-        out.num_scheduled_tokens = [scheduled[r.request_id] for r in reqs]
+        out.requests = decodes + prefills
+        out.num_scheduled_tokens = [1] * len(decodes) + prefill_nums
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -276,3 +276,45 @@ def test_deltas_a_consumer_fell_behind_on_are_merged_in_order():
     assert (c.text, c.token_ids, c.cumulative_logprob, c.finish_reason, merged.finished) == \
         ("abc", [1, 2, 3, 4], -2.0, "stop", True)
     assert c.logprobs == [{1: None}, {2: None}, {3: None}, {4: None}]
+
+
+def test_step_outputs_send_a_plain_row_as_its_token_alone(tiny_dir):
+    """The core's per-step message is columns (request ids, tokens); a row carries a CoreOutput only for its first
+    token (cache hits), logprobs, or its finish. Every token arrives once, in order, and the front end rebuilds
+    the same outputs from them (the parity tests above cover the texts)."""
+    import pickle
+
+    from vserve.core.config import EngineConfig
+    from vserve.core.engine_core import EngineCore
+    from vserve.core.messages import CoreOutput, StepOutputs
+    from vserve.core.request import Request
+    from vserve.core.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=str(tiny_dir), dtype="float32", device="cpu", max_model_len=512,
+                                   num_kv_blocks=64, async_scheduling=True))
+    plain, with_lp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), \
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    for rid, sp in (("a", plain), ("b", with_lp)):
+        core.add_request(Request(rid, [5, 6, 7, 8], sp, sp.max_tokens))
+    rows: dict[str, list] = {"a": [], "b": []}
+    while core.has_work():
+        outs = pickle.loads(pickle.dumps(core.step()))  # as the engine process sends it
+        assert isinstance(outs, StepOutputs) and len(outs.request_ids) == len(outs.token_ids) == len(outs)
+        for i, (rid, token) in enumerate(zip(outs.request_ids, outs.token_ids)):
+            full = outs.full.get(i)
+            assert full is None or (full.request_id, full.token_id) == (rid, token)
+            rows[rid].append(full)
+    a, b = rows["a"], rows["b"]
+    assert len(a) == 9 and len(b) == 6
+    assert isinstance(a[0], CoreOutput) and a[0].num_cached_tokens == 0  # the first token
+    assert all(r is None for r in a[1:-1])  # the plain rows: a token and nothing else
+    assert a[-1].finish_reason == "length" and b[-1].finish_reason == "length"
+    assert all(r is not None and r.logprobs is not None for r in b)  # every logprobs row is full
+
+    early = StepOutputs(["x"], [1], {})
+    early.add_full(CoreOutput("y", 2, None, "stop", None, 0, 1.0, 1.0))
+    later = StepOutputs(["z"], [3], {})
+    later.add_full(CoreOutput("w", 4, None, None, None, 3, None, None))
+    both = early.extend(later)
+    assert (both.request_ids, both.token_ids) == (["x", "y", "z", "w"], [1, 2, 3, 4])
+    assert sorted(both.full) == [1, 3] and both.full[3].request_id == "w"
