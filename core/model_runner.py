@@ -172,16 +172,16 @@ class ModelRunner:
         bs = self.block_size
         reqs, nums = sched.requests, sched.num_scheduled_tokens
         starts = [r.num_computed_tokens for r in reqs]
-        sample_idx = [i for i, (r, s, n) in enumerate(zip(reqs, starts, nums))
-                      if s + n == r.num_tokens + r.num_pending]
-        sample_reqs = [reqs[i] for i in sample_idx]
+        known = [len(r.all_token_ids) for r in reqs]  # the host's tokens (num_tokens)
+        sample_idx = [i for i, (r, s, n, k) in enumerate(zip(reqs, starts, nums, known)) if s + n == k + r.num_pending]
+        sample_reqs = [reqs[i] for i in sample_idx] if len(sample_idx) < len(reqs) else reqs
         # A decode whose input token is still on the device (async scheduling) reads it from the last step's
         # sampled tokens; its host id here is a placeholder.
-        pending = [i for i, (r, s) in enumerate(zip(reqs, starts)) if s == r.num_tokens]
+        pending = [i for i, (s, k) in enumerate(zip(starts, known)) if s == k]
         if max(nums) == 1:  # pure decode: one token per request
             num_decodes = len(reqs)
-            input_ids = np.fromiter((r.all_token_ids[s] if s < r.num_tokens else 0 for r, s in zip(reqs, starts)),
-                                    np.int64, len(reqs))
+            input_ids = np.zeros(len(reqs), np.int64) if len(pending) == len(reqs) else np.fromiter(
+                (r.all_token_ids[s] if s < k else 0 for r, s, k in zip(reqs, starts, known)), np.int64, len(reqs))
             pos = np.array(starts, dtype=np.int64)
             seq_of_token = np.arange(len(reqs))
             context_lens = pos + 1
