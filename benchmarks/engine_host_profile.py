@@ -1,0 +1,73 @@
+"""The engine's host work a step: `EngineCore` in this process (no front end, no tokenizer), 256 requests of random
+token ids (prompts U[100,1024]; U[10,40] on the CPU) decoding with temperature 1, timed over N steps once every
+request decodes, then the same N steps under cProfile (by own time, then cumulative).
+
+    python benchmarks/engine_host_profile.py qwen05b [PENALTY_FRACTION] [STEPS]   # a GPU: bf16, CUDA graphs
+    python benchmarks/engine_host_profile.py tiny 0.5 30                         # the CPU: float32, a tiny model
+
+PENALTY_FRACTION of the requests also ask for repetition_penalty 1.1 and logprobs 5 (issue #24's penalties row).
+Not a user path (it skips the tokenizer and the front end): it isolates the engine process's share of a step.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import sys
+import time
+
+import common  # benchmarks/ is sys.path[0]
+import torch
+
+from vserve.core.config import EngineConfig
+from vserve.core.engine_core import EngineCore
+from vserve.core.request import Request
+from vserve.core.sampling_params import SamplingParams
+
+SHAPES = {"qwen05b": common.QWEN25_05B, "8b": common.LLAMA3_8B, "tiny": dict(common.TINY, vocab_size=1024)}
+
+
+def main() -> None:
+    shape = SHAPES[sys.argv[1]]
+    frac = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 150
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    core = EngineCore(EngineConfig(model=common.model_folder(dict(shape)), load_format="dummy",
+                                   dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
+                                   max_num_seqs=256, async_scheduling=True))
+    rng, vocab = random.Random(0), shape["vocab_size"]
+    for i in range(256):
+        extra = dict(repetition_penalty=1.1, logprobs=5) if i < frac * 256 else {}
+        sp = SamplingParams(temperature=1.0, max_tokens=512, ignore_eos=True, **extra)
+        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(100, 1024) if cuda else rng.randint(10, 40))]
+        core.add_request(Request(f"r{i}", ids, sp, sp.max_tokens, eos_token_id=shape.get("eos_token_id")))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()
+    for _ in range(20):
+        core.step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync()
+    plain = (time.perf_counter() - t) / steps
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    sync()
+    prof.disable()
+    print(f"== {sys.argv[1]} penalty fraction {frac}: {plain * 1e3:.3f} ms a step, "
+          f"{(time.perf_counter() - t) / steps * 1e3:.3f} ms profiled; running {len(core.scheduler.running)}")
+    for key, n in (("tottime", 45), ("cumulative", 40)):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(n)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
