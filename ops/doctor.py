@@ -189,9 +189,9 @@ def check_versions(env: Environment) -> Check:
     if _ver(pk.get("triton")) >= (3, 6) and _ver(pk.get("numpy")) >= (2, 4):
         found.append((f"triton {pk['triton']}'s interpreter (the CPU path) breaks on numpy {pk['numpy']}",
                       "pip install 'numpy<2.4'"))
-    if pk.get("transformers") and _ver(pk["transformers"]) < (4, 56):
-        found.append((f"transformers {pk['transformers']} is older than vserve needs (4.56)",
-                      "pip install -U 'transformers>=4.56'"))
+    if pk.get("transformers") and _ver(pk["transformers"]) < (5, 18):  # pyproject.toml's floor
+        found.append((f"transformers {pk['transformers']} is older than vserve needs (5.18: older ones import torch "
+                      f"with the tokenizer, which slows every start)", "pip install -U 'transformers>=5.18'"))
     if env.torch_version and _ver(env.torch_version) < (2, 6):
         found.append((f"torch {env.torch_version} is older than vserve needs (2.6)", "pip install -U 'torch>=2.6'"))
     listed = ", ".join(f"{n} {pk[n]}" for n in ("torch", "triton", "pytorch-triton-rocm", "transformers") if n in pk)

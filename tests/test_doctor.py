@@ -20,7 +20,7 @@ HEALTHY = Environment(
     p2p={(0, 1): True}, nvlink=True, torch_version="2.9.0+cu128", torch_cuda="12.8", torch_gpu_count=2,
     torch_requires=['triton==3.5.0; platform_system == "Linux"', 'nvidia-nccl-cu12==2.28.9; platform_system == '
                     '"Linux"'],
-    packages={"torch": "2.9.0+cu128", "triton": "3.5.0", "transformers": "4.57.1", "numpy": "2.3.5",
+    packages={"torch": "2.9.0+cu128", "triton": "3.5.0", "transformers": "5.25.0", "numpy": "2.3.5",
               "nvidia-nccl-cu12": "2.28.9"},
     nccl_version="2.28.9", env={}, net_interfaces=["eth0", "lo"], shm_bytes=32 * GiB, triton=(True, "ok"))
 A10G = GpuInfo(0, "nvidia", "NVIDIA A10G", 23028 * MiB, used_bytes=300 * MiB)
@@ -74,6 +74,8 @@ FAULTS = [
      "pip install triton==3.5.0"),
     ("numpy 2.4 under triton 3.6", dict(packages={**HEALTHY.packages, "triton": "3.6.0", "numpy": "2.4.0"},
                                         torch_requires=[]), 1, "versions", "fail", "pip install 'numpy<2.4'"),
+    ("transformers below the floor", dict(packages={**HEALTHY.packages, "transformers": "5.17.0"}), 1, "versions",
+     "fail", "pip install -U 'transformers>=5.18'"),
     ("TP larger than the GPUs", dict(gpus=[H100], torch_gpu_count=1, p2p={}), 2, "GPU topology", "fail",
      "use a machine with 2 GPUs"),
     ("no P2P between the GPUs", dict(p2p={(0, 1): False}, nvlink=False), 2, "GPU topology", "warn",
