@@ -291,16 +291,16 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks() - num_revived:
             if not blocks:
-                del self.req_to_blocks[req.request_id]
+                del self.req_to_blocks[rid]
             return None
         self.pool.touch(new_computed_blocks)
         had = len(blocks)
         blocks.extend(new_computed_blocks)
         if self.sliding_window is not None:  # prefix hits older than the window go straight back
-            self._release_outside_window(req.request_id, blocks, num_computed)
+            self._release_outside_window(rid, blocks, num_computed)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        self.tables.write(req.request_id, had, blocks[had:])
+        self.tables.write(rid, had, blocks[had:])
         if self.enable_caching:
             self._cache_full_blocks(req, blocks, total_tokens)
         return new_blocks

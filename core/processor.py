@@ -44,18 +44,15 @@ def direct_tokenizer_class(path: Path):
     declared = tok_cfg.get("tokenizer_class")
     if "auto_map" in tok_cfg or not (path / "tokenizer.json").is_file():
         return None
-    try:
-        if (declared in _QWEN2_CLASSES and (model_type is None or model_type in QWEN_MODEL_TYPES)
-                or declared in _GENERIC_CLASSES and model_type == "qwen2"):
-            from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+    if (declared in _QWEN2_CLASSES and (model_type is None or model_type in QWEN_MODEL_TYPES)
+            or declared in _GENERIC_CLASSES and model_type == "qwen2"):
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-            return Qwen2Tokenizer
-        if declared in _GENERIC_CLASSES and (model_type is None or model_type in GENERIC_TOKENIZER_MODEL_TYPES):
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return Qwen2Tokenizer
+    if declared in _GENERIC_CLASSES and (model_type is None or model_type in GENERIC_TOKENIZER_MODEL_TYPES):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-            return TokenizersBackend
-    except ImportError:  # transformers 4
-        return None
+        return TokenizersBackend
     return None
 
 
