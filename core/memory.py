@@ -315,7 +315,8 @@ def plan_memory(model: ModelConfig, *, gpu_memory_bytes: int | None, gpu_memory_
     lora = lora_slot_bytes(model, max_loras, max_lora_rank, dtype_bytes, tp)
     reserved = in_use + activations + graphs + lora  # what the GPU holds besides the KV cache
 
-    fixed = kv_cache_bytes if kv_cache_bytes is not None else (None if on_gpu else default_cpu_kv_budget())
+    fixed = (kv_cache_bytes if kv_cache_bytes is not None else
+             None if on_gpu else default_cpu_kv_budget(seq_blocks * per_block))
     budget = int(gpu_memory_bytes * gpu_memory_utilization) if on_gpu else fixed
     if num_kv_blocks is not None:
         num_blocks = num_kv_blocks
@@ -393,13 +394,29 @@ def kv_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int |
     return min(full, _cdiv(sliding_window - 1, block_size) + 1 + _cdiv(step, block_size))
 
 
-def default_cpu_kv_budget() -> int:
-    """1 GiB (tens of thousands of tokens for small models), or a quarter of the free memory if less."""
+def cpu_available_bytes() -> int:
+    """Memory a new allocation can take without swapping: MemAvailable (free pages plus the page cache and
+    slabs the kernel can reclaim), not the free pages alone, which a machine that has read many files (a CI
+    runner half way through a test suite) holds few of."""
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        avail = 16 * GiB
-    return min(GiB, avail // 4)
+        return 16 * GiB
+
+
+def default_cpu_kv_budget(one_sequence_bytes: int = 0) -> int:
+    """1 GiB (tens of thousands of tokens for small models), or a quarter of the available memory if less; at
+    least one_sequence_bytes (one --max-model-len sequence) where half the available memory holds it."""
+    avail = cpu_available_bytes()
+    budget = min(GiB, avail // 4)
+    return max(budget, one_sequence_bytes) if one_sequence_bytes <= avail // 2 else budget
 
 
 def fmt_bytes(n: float) -> str:

@@ -158,6 +158,31 @@ def test_cpu_path_uses_the_default_budget():
     assert p.num_blocks == pytest.approx(default_cpu_kv_budget() // p.kv_bytes_per_block, rel=0.01)
 
 
+def test_cpu_budget_holds_one_full_sequence_when_free_pages_are_few(monkeypatch):
+    """A CI runner half way through the suite had 1.24 GiB free (the rest page cache): a quarter of it held 452
+    blocks, short of SmolLM2's 8192-token sequence (512). The budget counts reclaimable memory (MemAvailable)
+    and grows to one full sequence where half the available memory holds it; below that the plan says oom."""
+    import vserve.core.memory as memory
+
+    m = known_shape("smollm2-135m")
+    monkeypatch.setattr(memory, "cpu_available_bytes", lambda: int(1.24 * GiB))
+    p = plan_memory(m, gpu_memory_bytes=None, dtype_bytes=4, max_model_len=8192)
+    assert p.verdict != "oom" and p.num_blocks == 512 and p.kv_cache_bytes == 512 * p.kv_bytes_per_block
+    monkeypatch.setattr(memory, "cpu_available_bytes", lambda: int(0.5 * GiB))
+    p = plan_memory(m, gpu_memory_bytes=None, dtype_bytes=4, max_model_len=8192)
+    assert p.verdict == "oom" and p.num_blocks < 512
+    with pytest.raises(ValueError, match="lower --max-model-len or give the cache more memory"):
+        p.check()
+
+
+def test_cpu_available_bytes_reads_mem_available():
+    import vserve.core.memory as memory
+
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    assert memory.cpu_available_bytes() == pytest.approx(kib * 1024, rel=0.2)
+
+
 def test_moe_weights_count_every_expert_and_activations_only_the_routed_ones():
     m = known_shape("mixtral-8x7b")
     dense = planning_config({**KNOWN_SHAPES["mixtral-8x7b"], "architectures": ["MistralForCausalLM"],
