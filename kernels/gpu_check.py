@@ -538,9 +538,9 @@ def bench_decode(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: b
 
 
 def bench_lora(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[BenchRow]:
-    """LoRA shrink + expand (8 slots, rank 16, rows round-robin over the slots) against the projection's own GEMM
-    (F.linear) at decode and prefill row counts: the LoRA path's cost per projection (issue #28 wants a step with 8
-    adapters at >= 0.8x the base model's throughput). TFLOP/s of each one's own multiply-adds."""
+    """LoRA shrink + expand (rank 16, 8 slots and at 256 rows also 32, rows round-robin over the slots) against the
+    projection's own GEMM (F.linear) at decode and prefill row counts: the LoRA path's cost per projection (issue #28
+    wants a step with 8 adapters at >= 0.8x the base model's throughput). TFLOP/s of each one's own multiply-adds."""
     from torch.nn import functional as F
 
     from vserve.kernels import lora_ref, triton_lora
@@ -548,8 +548,8 @@ def bench_lora(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: boo
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     projs = {"qkv": (m.hidden, (q, kv, kv)), "o": (q, (m.hidden,)), "gate_up": (m.hidden, (m.intermediate,) * 2),
              "down": (m.intermediate, (m.hidden,))}
-    S, R, rows = 8, 16, []
-    for T in ((3,) if tiny else (1, 64, 256, 2048)):
+    R, rows = 16, []
+    for S, T in ([(8, 3)] if tiny else [(8, 1), (8, 64), (8, 256), (32, 256), (8, 2048)]):
         slots = torch.arange(T, device=dev) % S
         mapping = lora_ref.lora_mapping(slots, S)
         for proj, (K, widths) in projs.items():
@@ -561,8 +561,9 @@ def bench_lora(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: boo
             b = torch.randn(S, N, R, device=dev, dtype=dtype) * 0.02
             out = torch.zeros(T, N, device=dev, dtype=dtype)
             case = f"{name} {proj} {K}x{N} T={T}"
-            _timed(rows, "lora", case, "base GEMM (F.linear)", partial(F.linear, x, w), 2 * T * K * N, "TFLOP/s",
-                   dev)
+            if S == 8:
+                _timed(rows, "lora", case, "base GEMM (F.linear)", partial(F.linear, x, w), 2 * T * K * N,
+                       "TFLOP/s", dev)
 
             def lora(x=x, a=a, b=b, out=out, bounds=bounds, mapping=mapping):
                 triton_lora.lora_expand(triton_lora.lora_shrink(x, a, mapping), b, out, mapping, bounds)

@@ -12,23 +12,44 @@ from typing import NamedTuple
 
 import torch
 
+TILE_M = 16  # rows of one slot a Triton program takes (triton_lora's BLOCK_M)
+
 
 class LoRAMapping(NamedTuple):
     """A step's rows grouped by adapter slot, built once per step on the device (no host sync, graph-capturable):
     token_order lists the rows sorted by slot (rows without adapter first), slot_counts[s + 1] / slot_starts[s + 1]
-    how many of them slot s has and where they begin in token_order (index 0: rows without adapter)."""
+    how many of them slot s has and where they begin in token_order (index 0: rows without adapter).
+
+    The Triton kernels' row tiles: tile p takes TILE_M rows of slot tile_slot[p], from its tile_row[p]-th on (a tile
+    with tile_slot[p] == num_slots has none). Their count, num_tiles(T, num_slots), depends on the sizes alone, so a
+    kernel's grid does too; launched over every (row block, slot) instead, a decode step of 256 rows over 8 slots ran
+    8x the programs it needed, all but one in eight returning at once, and 32 slots 32x."""
 
     slots: torch.Tensor  # [T] int64, -1: no adapter
     token_order: torch.Tensor  # [T]
     slot_counts: torch.Tensor  # [num_slots + 1]
     slot_starts: torch.Tensor  # [num_slots + 1]
+    tile_slot: torch.Tensor  # [num_tiles(T, num_slots)]
+    tile_row: torch.Tensor  # [num_tiles(T, num_slots)]
+
+
+def num_tiles(num_rows: int, num_slots: int) -> int:
+    """Tiles enough for any grouping: sum over slots of ceil(count / TILE_M) <= ceil(T / TILE_M) + (slots with
+    rows)."""
+    return -(-num_rows // TILE_M) + min(num_slots, num_rows)
 
 
 def lora_mapping(slots: torch.Tensor, num_slots: int) -> LoRAMapping:
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
+    dev = slots.device
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, slots + 1, torch.ones_like(slots))  # not bincount: its output size syncs with the host
     order = torch.argsort(slots, stable=True)
-    return LoRAMapping(slots, order, counts, torch.cumsum(counts, 0) - counts)
+    tiles = (counts[1:] + TILE_M - 1) // TILE_M  # each slot's tiles
+    ends = torch.cumsum(tiles, 0)
+    p = torch.arange(num_tiles(slots.shape[0], num_slots), device=dev)
+    tile_slot = torch.searchsorted(ends, p, right=True)  # num_slots past the last tile
+    first = (ends - tiles).gather(0, tile_slot.clamp(max=num_slots - 1))
+    return LoRAMapping(slots, order, counts, torch.cumsum(counts, 0) - counts, tile_slot, (p - first) * TILE_M)
 
 
 def _groups(m: LoRAMapping):

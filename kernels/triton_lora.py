@@ -1,8 +1,9 @@
 """Batched multi-LoRA Triton kernels (vLLM's lora_shrink / lora_expand, formerly punica's SGMV/BGMV): the rows of a
-step grouped by adapter slot (LoRAMapping, built once per step on the device), one program per (block of one slot's
-rows, output tile, slot); programs past their slot's rows return at once, so the grid depends on the row count only
-and a decode step is capturable in a CUDA graph. The row count is not specialized on (`do_not_specialize`): vLLM's
-10x TTFT problem was Triton recompiling per context length. References and argument layout: lora_ref.py."""
+step grouped by adapter slot (LoRAMapping, built once per step on the device), one program per (row tile: up to
+BLOCK_M rows of one slot, output tile); the tiles are numbered on the device, their count depends on the row and
+slot counts only (tiles past the last return at once), so a decode step is capturable in a CUDA graph. The row and
+slot counts are not specialized on (`do_not_specialize`): vLLM's 10x TTFT problem was Triton recompiling per context
+length. References and argument layout: lora_ref.py."""
 
 from __future__ import annotations
 
@@ -12,22 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.lora_ref import LoRAMapping
+from vserve.kernels.lora_ref import TILE_M, LoRAMapping
 
-BLOCK_M = 16
+BLOCK_M = TILE_M
 
 
-@triton.jit(do_not_specialize=["T"])
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, K, RT, K_PER,
-                   stride_xt, stride_as, stride_ar, stride_ot, stride_os,
-                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_r, pid_sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s, split = pid_sk // SPLIT_K, pid_sk % SPLIT_K  # split-K: this program's share of the input features
-    count = tl.load(counts_ptr + s + 1)
-    if pid_m * BLOCK_M >= count:
+@triton.jit(do_not_specialize=["T", "S"])
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, tile_slot_ptr, tile_row_ptr, T, K, RT,
+                   K_PER, S, stride_xt, stride_as, stride_ar, stride_ot, stride_os,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_r, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # split-K: a share of the features
+    s = tl.load(tile_slot_ptr + pid_m)
+    if s >= S:
         return
+    count = tl.load(counts_ptr + s + 1)
     start = tl.load(starts_ptr + s + 1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -47,21 +48,21 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, T, 
              mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
-def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, bounds_ptr, T, R,
-                   stride_bt, stride_bs, stride_bn, stride_ot,
-                   NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid_m, pid_n, pid_sj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s, j = pid_sj // NUM_SLICES, pid_sj % NUM_SLICES
-    count = tl.load(counts_ptr + s + 1)
-    if pid_m * BLOCK_M >= count:
+@triton.jit(do_not_specialize=["T", "S"])
+def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, tile_slot_ptr, tile_row_ptr,
+                   bounds_ptr, T, R, S, stride_bt, stride_bs, stride_bn, stride_ot,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid_m, pid_n, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # j: the packed slice
+    s = tl.load(tile_slot_ptr + pid_m)
+    if s >= S:
         return
     lo, hi = tl.load(bounds_ptr + j), tl.load(bounds_ptr + j + 1)
     n0 = lo + pid_n * BLOCK_N
     if n0 >= hi:
         return
+    count = tl.load(counts_ptr + s + 1)
     start = tl.load(starts_ptr + s + 1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -96,10 +97,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: 
     # rows without adapter: never read. Split partials are summed after, in order: deterministic, unlike atomics.
     out = torch.empty(split, T, RT, dtype=torch.float32, device=x.device)
     block_r = min(64, triton.next_power_of_2(RT))
-    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(RT, block_r), S * split)
-    _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, T, K, RT, k_per,
-                         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(1), out.stride(0),
-                         SPLIT_K=split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
+    grid = (m.tile_slot.shape[0], triton.cdiv(RT, block_r), split)
+    _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, m.tile_slot, m.tile_row, T, K,
+                         RT, k_per, S, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(1), out.stride(0),
+                         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
     return out[0] if split == 1 else out.sum(0)
 
 
@@ -116,8 +117,8 @@ def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, m: L
     L = len(bounds) - 1
     widest = max(b - a for a, b in zip(bounds, bounds[1:]))
     block_n = 64
-    grid = (triton.cdiv(T, BLOCK_M), triton.cdiv(widest, block_n), S * L)
-    _expand_kernel[grid](buf, lora_b, out, m.token_order, m.slot_starts, m.slot_counts,
-                         _bounds_tensor(tuple(bounds), out.device), T, R,
+    grid = (m.tile_slot.shape[0], triton.cdiv(widest, block_n), L)
+    _expand_kernel[grid](buf, lora_b, out, m.token_order, m.slot_starts, m.slot_counts, m.tile_slot, m.tile_row,
+                         _bounds_tensor(tuple(bounds), out.device), T, R, S,
                          buf.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-                         NUM_SLICES=L, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)))
+                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)))

@@ -77,6 +77,26 @@ def test_mapping_groups_rows_by_slot():
     assert m.token_order.tolist() == [1, 5, 2, 0, 3, 4]
 
 
+@pytest.mark.parametrize("T,S", [(1, 8), (6, 3), (40, 3), (256, 8), (256, 32), (33, 1)])
+def test_mapping_tiles_cover_each_slots_rows_once(T, S, seed):
+    """The kernels' row tiles: every row with an adapter in exactly one tile of its own slot, no tile over another
+    slot's rows, and the tile count (the grid) a function of T and S alone, whatever the grouping."""
+    for trial in range(3):
+        slots = torch.randint(-1, S, (T,)) if trial else torch.full((T,), S - 1)
+        m = lora_ref.lora_mapping(slots, S)
+        assert m.tile_slot.shape == m.tile_row.shape == (lora_ref.num_tiles(T, S),)
+        covered = []
+        for s, r in zip(m.tile_slot.tolist(), m.tile_row.tolist()):
+            if s == S:
+                continue
+            assert 0 <= s < S and r % lora_ref.TILE_M == 0 and r < m.slot_counts[s + 1]
+            start, count = m.slot_starts[s + 1].item(), m.slot_counts[s + 1].item()
+            rows = m.token_order[start + r:start + min(r + lora_ref.TILE_M, count)]
+            assert (slots[rows] == s).all(), f"tile of slot {s} over other rows (torch.manual_seed({seed}))"
+            covered += rows.tolist()
+        assert sorted(covered) == sorted(torch.nonzero(slots >= 0).flatten().tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_check_lora_rows_pass_under_the_interpreter(dtype):
     """kernels/gpu_check.py's LoRA rows (what the H200 check runs in bf16/fp16 on the 8B shapes), on a tiny shape."""
