@@ -60,18 +60,21 @@ def _groups(m: LoRAMapping):
             yield s, m.token_order[starts[s + 1]:starts[s + 1] + counts[s + 1]]
 
 
-def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping) -> torch.Tensor:
-    """[T, K] · each row's slot's A [L*R, K]ᵀ -> [T, L*R] float32 (rows without adapter: zeros)."""
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, partial: bool = False) -> torch.Tensor:
+    """[T, K] · each row's slot's A [L*R, K]ᵀ -> [T, L*R] float32 (rows without adapter: zeros). partial: the Triton
+    kernel may then return split-K partial sums [splits, T, L*R] for lora_expand to add up; here there is one."""
     out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     for s, rows in _groups(m):
         out[rows] = x[rows].float() @ lora_a[s].float().T
-    return out
+    return out.unsqueeze(0) if partial else out
 
 
 def lora_expand_ref(buf: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, m: LoRAMapping,
                     bounds: tuple[int, ...]) -> None:
     """out[row, bounds[j]:bounds[j+1]] += buf[row, j*R:(j+1)*R] · B_j[slot]ᵀ for every row with an adapter (in
-    place; rows without one untouched). R = lora_b.shape[2]."""
+    place; rows without one untouched). R = lora_b.shape[2]; buf [splits, T, L*R]: partial sums, added first."""
+    if buf.dim() == 3:
+        buf = buf.sum(0)
     R = lora_b.shape[2]
     for s, rows in _groups(m):
         for j in range(len(bounds) - 1):

@@ -48,9 +48,9 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, til
              mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "S"])
+@triton.jit(do_not_specialize=["T", "S", "SPLITS"])
 def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, tile_slot_ptr, tile_row_ptr,
-                   bounds_ptr, T, R, S, stride_bt, stride_bs, stride_bn, stride_ot,
+                   bounds_ptr, T, R, S, SPLITS, stride_bsp, stride_bt, stride_bs, stride_bn, stride_ot,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_m, pid_n, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # j: the packed slice
     s = tl.load(tile_slot_ptr + pid_m)
@@ -71,8 +71,10 @@ def _expand_kernel(buf_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, t
     mask_r = offs_r < R
     bw = tl.load(b_ptr + s.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
                  mask=mask_n[None, :] & mask_r[:, None], other=0.0)  # [R, N]
-    bt = tl.load(buf_ptr + rows[:, None] * stride_bt + j * R + offs_r[None, :],
-                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [M, R] float32
+    bt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # [M, R]: the shrink's split-K partials added up here
+    for sp in range(0, SPLITS):
+        bt += tl.load(buf_ptr + sp * stride_bsp + rows[:, None] * stride_bt + j * R + offs_r[None, :],
+                      mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     acc = tl.dot(bt.to(bw.dtype), bw)
     o_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -86,7 +88,10 @@ def shrink_split_k(T: int, K: int) -> int:
     return max(1, min(K // 512, 64 // triton.cdiv(T, BLOCK_M)))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: int | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: int | None = None,
+                partial: bool = False) -> torch.Tensor:
+    """[T, L*R] float32 (lora_shrink_ref); partial: the split-K partial sums [splits, T, L*R] as they are, for
+    lora_expand to add up as it reads them (one launch less a projection: at batch 1 a third of LoRA's launches)."""
     T, K = x.shape
     S, RT, _ = lora_a.shape
     assert x.stride(1) == 1 and lora_a.stride(2) == 1
@@ -94,14 +99,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, m: LoRAMapping, split_k: 
     split = split_k or shrink_split_k(T, K)
     k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_per)
-    # rows without adapter: never read. Split partials are summed after, in order: deterministic, unlike atomics.
+    # rows without adapter: never read. Split partials are summed after (here or by lora_expand), in order:
+    # deterministic, unlike atomics.
     out = torch.empty(split, T, RT, dtype=torch.float32, device=x.device)
     block_r = min(64, triton.next_power_of_2(RT))
     grid = (m.tile_slot.shape[0], triton.cdiv(RT, block_r), split)
     _shrink_kernel[grid](x, lora_a, out, m.token_order, m.slot_starts, m.slot_counts, m.tile_slot, m.tile_row, T, K,
                          RT, k_per, S, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(1), out.stride(0),
                          BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
-    return out[0] if split == 1 else out.sum(0)
+    return out if partial else out[0] if split == 1 else out.sum(0)
 
 
 @cache
@@ -111,14 +117,16 @@ def _bounds_tensor(bounds: tuple[int, ...], device: torch.device) -> torch.Tenso
 
 def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, m: LoRAMapping,
                 bounds: tuple[int, ...]) -> None:
-    T = buf.shape[0]
+    """lora_expand_ref: buf [T, L*R] or the shrink's partial sums [splits, T, L*R]."""
+    parts = buf if buf.dim() == 3 else buf.unsqueeze(0)
+    T = parts.shape[1]
     S, _, R = lora_b.shape
-    assert out.stride(1) == 1 and lora_b.stride(2) == 1 and buf.stride(1) == 1
+    assert out.stride(1) == 1 and lora_b.stride(2) == 1 and parts.stride(2) == 1
     L = len(bounds) - 1
     widest = max(b - a for a, b in zip(bounds, bounds[1:]))
     block_n = 64
     grid = (m.tile_slot.shape[0], triton.cdiv(widest, block_n), L)
-    _expand_kernel[grid](buf, lora_b, out, m.token_order, m.slot_starts, m.slot_counts, m.tile_slot, m.tile_row,
-                         _bounds_tensor(tuple(bounds), out.device), T, R, S,
-                         buf.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+    _expand_kernel[grid](parts, lora_b, out, m.token_order, m.slot_starts, m.slot_counts, m.tile_slot, m.tile_row,
+                         _bounds_tensor(tuple(bounds), out.device), T, R, S, parts.shape[0],
+                         parts.stride(0), parts.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
                          BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)))

@@ -64,6 +64,15 @@ def test_shrink_expand_match_reference_and_meaning(case, dtype, seed):
     lora_ref.lora_expand_ref(buf_ref, b, out_ref, m, bounds)
     triton_lora.lora_expand(buf_ref, b, out, m, bounds)
     torch.testing.assert_close(out, out_ref, **TOL[dtype], msg=lambda s: f"{s}\n{msg}")
+    for split_k in (1, 3):  # the shrink's split-K partials added up by the expand as it reads them
+        parts = triton_lora.lora_shrink(x, a, m, split_k, partial=True)
+        assert parts.shape[1:] == buf_ref.shape and 1 <= parts.shape[0] <= split_k  # K's blocks of 64 split
+        fused = base.clone()
+        triton_lora.lora_expand(parts, b, fused, m, bounds)
+        torch.testing.assert_close(fused, out_ref, **TOL[dtype], msg=lambda s, k=split_k: f"{s}\nsplit {k} {msg}")
+    ref_parts = base.clone()  # the reference takes partials too (its shrink returns one)
+    lora_ref.lora_expand_ref(lora_ref.lora_shrink_ref(x, a, m, partial=True), b, ref_parts, m, bounds)
+    torch.testing.assert_close(ref_parts, out_ref, **TOL[dtype], msg=lambda s: f"{s}\n{msg}")
     assert torch.equal(out[~has], base[~has]), "rows without adapter must be left untouched"
     expected = base.float() + _per_row(x, a, b, slots, bounds, R)
     torch.testing.assert_close(out_ref.float(), expected, **TOL[dtype], msg=lambda s: f"{s}\n{msg}")

@@ -76,7 +76,8 @@ class LoRALayer:
             return out
         x = args[0]
         ops = for_device(out)
-        buf = ops.lora_shrink(x.reshape(-1, x.shape[-1]), self.lora_a, m)
+        # split-K partial sums are added up by the expand, except where they are all-reduced first
+        buf = ops.lora_shrink(x.reshape(-1, x.shape[-1]), self.lora_a, m, partial=not self.row_parallel)
         if self.row_parallel:
             buf = all_reduce(buf)  # partial x·Aᵀ over this rank's input columns
         ops.lora_expand(buf, self.lora_b, out, m, self.bounds)
