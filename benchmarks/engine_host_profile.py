@@ -4,6 +4,11 @@ request decodes, then the same N steps under cProfile (by own time, then cumulat
 
     python benchmarks/engine_host_profile.py qwen05b [PENALTY_FRACTION] [STEPS]   # a GPU: bf16, CUDA graphs
     python benchmarks/engine_host_profile.py tiny 0.5 30                         # the CPU: float32, a tiny model
+    python benchmarks/engine_host_profile.py qwen05b 0 50 --torch-profile DIR     # + torch.profiler's op table
+
+--torch-profile DIR also runs the steps under torch.profiler (CPU and CUDA activity) and writes DIR/ops.txt (every
+op's host time, by self CPU time: which torch ops, copies and kernel launches the host spends a step on) and
+DIR/trace.json (a Chrome trace of the steps: where the host waits and where the device idles).
 
 PENALTY_FRACTION of the requests also ask for repetition_penalty 1.1 and logprobs 5 (issue #24's penalties row).
 Not a user path (it skips the tokenizer and the front end): it isolates the engine process's share of a step.
@@ -30,9 +35,15 @@ SHAPES = {"qwen05b": common.QWEN25_05B, "8b": common.LLAMA3_8B, "tiny": dict(com
 
 
 def main() -> None:
-    shape = SHAPES[sys.argv[1]]
-    frac = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 150
+    args = sys.argv[1:]
+    torch_dir = None
+    if "--torch-profile" in args:
+        at = args.index("--torch-profile")
+        torch_dir = args[at + 1]
+        del args[at:at + 2]
+    shape = SHAPES[args[0]]
+    frac = float(args[1]) if len(args) > 1 else 0.0
+    steps = int(args[2]) if len(args) > 2 else 150
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     core = EngineCore(EngineConfig(model=common.model_folder(dict(shape)), load_format="dummy",
@@ -61,12 +72,32 @@ def main() -> None:
         core.step()
     sync()
     prof.disable()
-    print(f"== {sys.argv[1]} penalty fraction {frac}: {plain * 1e3:.3f} ms a step, "
+    print(f"== {args[0]} penalty fraction {frac}: {plain * 1e3:.3f} ms a step, "
           f"{(time.perf_counter() - t) / steps * 1e3:.3f} ms profiled; running {len(core.scheduler.running)}")
     for key, n in (("tottime", 45), ("cumulative", 40)):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(n)
         print(out.getvalue())
+    if torch_dir is not None:
+        torch_profile(core, steps, torch_dir, sync)
+
+
+def torch_profile(core: EngineCore, steps: int, out_dir: str, sync) -> None:
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as p:
+        for _ in range(steps):
+            core.step()
+        sync()
+    table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+    with open(os.path.join(out_dir, "ops.txt"), "w") as fh:
+        fh.write(f"{steps} steps\n{table}\n")
+    p.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+    print(f"torch.profiler over {steps} steps -> {out_dir}/ops.txt, trace.json")
 
 
 if __name__ == "__main__":
