@@ -1,0 +1,43 @@
+#!/bin/bash
+# One device call's benchmarks, results under $OUT (the device tool's folder). MODE:
+#   host  the 0.5B step's host time by torch op (engine_host_profile --torch-profile), then ROWS (default: issue
+#         #24's qwen05b_512 and start-up rows)
+#   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's)
+#   sv    the structured rows (#29: unconstrained and JSON, SmolLM2's tokenizer), or ROWS
+#   rows  ROWS alone
+# ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
+set -u
+MODE=$1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+mkdir -p /tmp/p && ln -sfn "$PWD" /tmp/p/vserve
+export PYTHONPATH=/tmp/site:/tmp/p PYTHONUNBUFFERED=1 VSERVE_NO_PROGRESS=1
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "tree $(cat .whl/REV 2>/dev/null)"
+  python3 -c "import transformers, torch, triton; print('transformers', transformers.__version__, 'torch',
+torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/machine.txt"
+rows() { timeout "${ROWS_S:-400}" python3 benchmarks/h200_rows.py --out "$OUT" --rows "${ROWS:-$1}" > "$OUT/rows.log" 2>&1; }
+case $MODE in
+host)
+  timeout 150 python3 benchmarks/engine_host_profile.py qwen05b 0 30 --torch-profile "$OUT/tp" > "$OUT/hostprof.txt" 2>&1
+  gzip -f "$OUT/tp/trace.json"
+  rows qwen05b_512,startup_serve_8b,startup_generate_8b ;;
+lora)
+  timeout 200 python3 - "$OUT/lora_kernels.md" > "$OUT/lora_kernels.log" 2>&1 <<'PY'
+import sys
+import torch
+from vserve.kernels import gpu_check as g
+m, dt = g.MODELS["llama3-8b"], torch.bfloat16
+checks, bench = g.check_lora("llama3-8b", m, dt, "cuda", False), g.bench_lora("llama3-8b", m, dt, "cuda", False)
+text = (f"# LoRA kernels on {torch.cuda.get_device_name()}\n\n## check ({sum(r.ok for r in checks)}/{len(checks)})\n\n"
+        + g.format_table(g.CHECK_HEADER, [r.cells() for r in checks]) + "\n\n## bench\n\n"
+        + g.format_table(g.BENCH_HEADER, [r.cells() for r in bench]) + "\n")
+open(sys.argv[1], "w").write(text)
+print(text)
+PY
+  rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1 ;;
+sv)
+  VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json ;;
+rows)
+  rows "" ;;
+esac
+ls -la "$OUT"
