@@ -225,8 +225,7 @@ class EngineCore:
 
     def _launch(self, sched) -> tuple[list[Request], SampledTokens | None]:
         block_table = self.kv.block_table(sched.requests)
-        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
-            self.num_computed_prompt_tokens += max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+        self.num_computed_prompt_tokens += sched.num_prompt_tokens
         try:
             reqs, sampled = self.runner.launch(sched, block_table,
                                                self._grammar_bitmask if self.num_grammars else None)
@@ -269,6 +268,7 @@ class EngineCore:
         out = sampled.resolve()
         now = time.monotonic()
         running = RequestStatus.RUNNING
+        max_len = self.max_model_len
         plain_ids, plain_tokens = outs.request_ids, outs.token_ids
         for req, token, lp in zip(reqs, out.token_ids, out.logprobs):
             req.num_pending -= 1
@@ -277,10 +277,14 @@ class EngineCore:
             first = req.first_token_time is None
             if first:
                 req.first_token_time = now
-            req.append_token(token)
+            output_ids, all_ids = req.output_token_ids, req.all_token_ids
+            output_ids.append(token)  # req.append_token, inlined (this loop runs for every row of every step)
+            all_ids.append(token)
             sp = req.sampling_params
             plp = take_prompt_logprobs(req) if sp.prompt_logprobs is not None else None
-            status = self._check_stop(req, token)
+            # _check_stop decides; asked only when one of its conditions can hold
+            status = (self._check_stop(req, token) if token in sp.all_stop_token_ids
+                      or len(output_ids) >= req.max_tokens or len(all_ids) >= max_len else None)
             if status is None and req.grammar is not None and self.structured.accept(req.grammar, token):
                 status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
             if status is None:

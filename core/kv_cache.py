@@ -233,6 +233,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.tables = BlockTables()  # the same lists' block ids, a row each: what a step gathers
         self.num_cached_blocks: dict[str, int] = {}
+        # request id -> the token count its blocks reach with no block to allocate and none newly full to cache:
+        # the scheduler skips allocate_slots for a step that stays within it (every decode step but one a block).
+        # Not kept where blocks slide out of the window (each step may release one).
+        self.room: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -281,6 +285,7 @@ class KVCacheManager:
         if not new_computed_blocks and total_tokens <= len(blocks) * bs and (
                 not self.enable_caching or min(total_tokens, len(req.all_token_ids)) // bs
                 <= self.num_cached_blocks.get(rid, 0)):
+            self._set_room(rid, blocks)
             return []  # the common decode step: room in the last block, no block newly full
         new_computed_blocks = new_computed_blocks or []
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * bs
@@ -303,7 +308,17 @@ class KVCacheManager:
         self.tables.write(rid, had, blocks[had:])
         if self.enable_caching:
             self._cache_full_blocks(req, blocks, total_tokens)
+        self._set_room(rid, blocks)
         return new_blocks
+
+    def _set_room(self, rid: str, blocks: list[KVCacheBlock]) -> None:
+        """room[rid]: a step reaching at most this many tokens needs nothing of allocate_slots (its fast path holds:
+        the tokens fit the blocks, and with caching no block beyond those cached becomes full)."""
+        if self.sliding_window is None:
+            room = len(blocks) * self.block_size
+            if self.enable_caching:
+                room = min(room, (self.num_cached_blocks.get(rid, 0) + 1) * self.block_size - 1)
+            self.room[rid] = room
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # Only tokens whose ids are known can be hashed; a decode step's new slot is filled next step.
@@ -337,6 +352,7 @@ class KVCacheManager:
         self.pool.free_blocks(b for b in reversed(blocks) if b is not OUT_OF_WINDOW)
         self.num_cached_blocks.pop(req.request_id, None)
         self.num_released.pop(req.request_id, None)
+        self.room.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

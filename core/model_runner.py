@@ -15,7 +15,7 @@ from vserve.core.layers.rotary import longrope_offset
 from vserve.core.model_config import ModelConfig
 from vserve.core.prompt_logprobs import PromptLogprobsPlan, keep, plan_step, score
 from vserve.core.request import Request
-from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput
+from vserve.core.sampler import SampledTokens, Sampler, SamplerOutput, same_requests
 from vserve.core.scheduler import SchedulerOutput
 from vserve.ops import startup
 
@@ -43,9 +43,11 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor
     sample_rows: torch.Tensor
     # Async scheduling: rows whose input token was sampled by the step before and is still on the device, and
-    # where it sits in that step's sampled tokens (filled in on the device, see run_step).
+    # where it sits in that step's sampled tokens (filled in on the device, see run_step). pending_all: every row's,
+    # in the order that step sampled them (a steady decode batch): its sampled tokens are the input ids as they are.
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+    pending_all: bool = False
     # LoRA: each token's adapter slot (-1: none; None: no row has one) and adapters to load into slots first
     lora_slots: torch.Tensor | None = None
     lora_loads: list | None = None
@@ -87,7 +89,7 @@ class ModelRunner:
         self._turn = 0
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (on the device)
-        self.last_rows: dict[str, int] = {}  # request id -> its row in last_tokens
+        self.last_reqs: list[Request] = []  # the requests they were sampled for, a row each
         self.prompt_scores: tuple[torch.Tensor, ...] | None = None  # the last step's prompt logprobs (device)
         self.prompt_segments: list = []  # [(request, first position, count)] of those scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -173,14 +175,16 @@ class ModelRunner:
         reqs, nums = sched.requests, sched.num_scheduled_tokens
         starts = [r.num_computed_tokens for r in reqs]
         known = [len(r.all_token_ids) for r in reqs]  # the host's tokens (num_tokens)
-        sample_idx = [i for i, (r, s, n, k) in enumerate(zip(reqs, starts, nums, known)) if s + n == k + r.num_pending]
-        sample_reqs = [reqs[i] for i in sample_idx] if len(sample_idx) < len(reqs) else reqs
         # A decode whose input token is still on the device (async scheduling) reads it from the last step's
         # sampled tokens; its host id here is a placeholder.
         pending = [i for i, (s, k) in enumerate(zip(starts, known)) if s == k]
+        all_pending = len(pending) == len(reqs)  # an async decode step: every row samples, none is a prompt's
+        sample_idx = list(range(len(reqs))) if all_pending else [
+            i for i, (r, s, n, k) in enumerate(zip(reqs, starts, nums, known)) if s + n == k + r.num_pending]
+        sample_reqs = [reqs[i] for i in sample_idx] if len(sample_idx) < len(reqs) else reqs
         if max(nums) == 1:  # pure decode: one token per request
             num_decodes = len(reqs)
-            input_ids = np.zeros(len(reqs), np.int64) if len(pending) == len(reqs) else np.fromiter(
+            input_ids = np.zeros(len(reqs), np.int64) if all_pending else np.fromiter(
                 (r.all_token_ids[s] if s < k else 0 for r, s, k in zip(reqs, starts, known)), np.int64, len(reqs))
             pos = np.array(starts, dtype=np.int64)
             seq_of_token = np.arange(len(reqs))
@@ -216,11 +220,14 @@ class ModelRunner:
             step.lora_loads = self.lora_slots.take_loads()
             if (row_slots >= 0).any():
                 step.lora_slots = t(np.ascontiguousarray(row_slots[seq_of_token]))
-        step.prompt_lp, self.prompt_segments = plan_step(reqs, starts, nums)
-        if pending:  # rows are decodes, so a row index is also its token index
+        step.prompt_lp, self.prompt_segments = (None, []) if all_pending else plan_step(reqs, starts, nums)
+        if all_pending and same_requests(reqs, self.last_reqs):
+            step.pending_all = True  # a steady decode batch: no index tensors, no gather on the device
+        elif pending:  # rows are decodes, so a row index is also its token index
             assert all(nums[i] == 1 for i in pending), "only a decode's input token can be in flight"
+            last_rows = {r.request_id: i for i, r in enumerate(self.last_reqs)}
             step.pending_rows = torch.tensor(pending, dtype=torch.long)
-            step.pending_src = torch.tensor([self.last_rows[reqs[i].request_id] for i in pending], dtype=torch.long)
+            step.pending_src = torch.tensor([last_rows[reqs[i].request_id] for i in pending], dtype=torch.long)
         return step, sample_reqs
 
     def to_device(self, s: StepInputs):
@@ -254,7 +261,9 @@ class ModelRunner:
             self._copied[self._turn].record()
             moved = [flat[o:o + n].view(shape) for o, n, shape in views]
         ids, pos, slots, bt, ctx, cu, rows = moved[:7]
-        if s.pending_rows is not None:
+        if s.pending_all:
+            ids = self.last_tokens
+        elif s.pending_rows is not None:
             ids[moved[7]] = self.last_tokens[moved[8]]
         if self.lora is not None:
             if s.lora_loads:
@@ -341,8 +350,7 @@ class ModelRunner:
         if logits is None:
             return [], None
         sampled = self.sampler.sample(logits, reqs, bitmask(reqs) if bitmask is not None else None)
-        self.last_tokens = sampled.tokens
-        self.last_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        self.last_tokens, self.last_reqs = sampled.tokens, reqs
         return reqs, sampled
 
 

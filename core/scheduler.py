@@ -17,6 +17,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those of prompts (prefix-cache hits not counted)
 
     @property
     def total_tokens(self) -> int:
@@ -56,27 +57,31 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         prefill_nums: list[int] = []
+        num_prompt = 0
 
         # 1. Running requests, oldest first; the newest is preempted when blocks run out (never one scheduled
         # already: they come first). Under async scheduling a request's token sampled by the step in flight counts
         # as known (num_pending); one that will then have reached its length limit is not scheduled again.
         i = 0
         running = self.running
+        room = kv.room
         while i < len(running) and budget > 0:
             req = running[i]
-            num_tokens = len(req.all_token_ids) + req.num_pending
-            if req.num_pending and (len(req.output_token_ids) + req.num_pending >= req.max_tokens
-                                    or num_tokens >= max_len):
+            pending = req.num_pending
+            num_tokens = len(req.all_token_ids) + pending
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens or num_tokens >= max_len):
                 i += 1
                 continue
-            num_new = min(num_tokens - req.num_computed_tokens, budget, max_chunk)
-            while kv.allocate_slots(req, num_new) is None:
-                victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    num_new = 0
-                    break
+            computed = req.num_computed_tokens
+            num_new = min(num_tokens - computed, budget, max_chunk)
+            if computed + num_new > room.get(req.request_id, -1):  # else allocate_slots would change nothing
+                while kv.allocate_slots(req, num_new) is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is req:
+                        num_new = 0
+                        break
             if num_new == 0:
                 break
             if num_new == 1:
@@ -84,6 +89,9 @@ class Scheduler:
             else:
                 prefills.append(req)
                 prefill_nums.append(num_new)
+            prompt_left = len(req.prompt_token_ids) - computed
+            if prompt_left > 0:
+                num_prompt += min(num_new, prompt_left)
             budget -= num_new
             i += 1
 
@@ -119,10 +127,12 @@ class Scheduler:
             else:
                 prefills.append(req)
                 prefill_nums.append(num_new)
+            num_prompt += max(0, min(num_new, req.num_prompt_tokens - req.num_computed_tokens))
             budget -= num_new
 
         out.requests = decodes + prefills
         out.num_scheduled_tokens = [1] * len(decodes) + prefill_nums
+        out.num_prompt_tokens = num_prompt
         return out
 
     def _preempt(self, req: Request) -> None:

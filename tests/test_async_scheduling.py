@@ -51,8 +51,19 @@ def test_async_matches_sync_greedy_sampled_and_stops(tiny_model, kw):
             stops.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     sampled = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=20, seed=i, ignore_eos=True)
                for i in range(8)]
+    runner, kinds = overlap.llm_engine.core.runner, []
+    build = runner.build_step
+
+    def spy(*a):  # which way each step's in-flight input tokens reach the device
+        step, reqs = build(*a)
+        kinds.append("all" if step.pending_all else "rows" if step.pending_rows is not None else "host")
+        return step, reqs
+
+    runner.build_step = spy
     for params in (greedy, stops, sampled):
         assert _outputs(overlap, prompts, params) == _outputs(sync, prompts, params)
+    # a steady decode batch takes the last step's tokens as they are; one whose requests changed gathers them
+    assert {"all", "rows"} <= set(kinds), kinds
     assert any(o[2] == "stop" for o in _outputs(overlap, prompts, stops))
     if kw:
         assert overlap.llm_engine.stats().num_preemptions > 0

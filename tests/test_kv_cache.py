@@ -269,7 +269,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
         assert num_new >= 1
         before = self._snapshot()
-        if self.kv.allocate_slots(req, num_new) is None:
+        within_room = req.num_computed_tokens + num_new <= self.kv.room.get(req.request_id, -1)
+        if within_room:  # the scheduler skips allocate_slots here: it must have nothing to do
+            cached = dict(self.kv.num_cached_blocks)
+            assert self.kv.allocate_slots(req, num_new) == [] and self._snapshot() == before
+            assert self.kv.num_cached_blocks == cached
+        elif self.kv.allocate_slots(req, num_new) is None:
             assert self._snapshot() == before, "a failed allocation changed the pool"
             return
         req.num_computed_tokens += num_new

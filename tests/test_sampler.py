@@ -62,6 +62,25 @@ def test_temperature_0_is_the_argmax_whatever_the_other_rows_do(seed):
     assert out.token_ids[::2] == logits[::2].argmax(-1).tolist()
 
 
+def test_the_plan_holds_while_the_batch_is_the_same_requests_and_follows_a_changed_one(seed):
+    """The sampler keeps its plan (rows, filters, device columns) while a step samples the same request objects in
+    the same order, and rebuilds it when the batch changes: reordered, shrunk or with other requests, each row is
+    still sampled by its own request's parameters (greedy rows: the argmax; top_k=1 rows: the argmax too)."""
+    greedy = [make_req(temperature=0.0) for _ in range(3)]
+    drawn = [make_req(temperature=0.7, top_k=1, logprobs=2) for _ in range(3)]
+    sampler = Sampler(seed=seed)
+    batches = [greedy + drawn, list(greedy + drawn), drawn + greedy, drawn[:2], greedy[1:] + drawn[:1]]
+    plans = []
+    for i, reqs in enumerate(batches):
+        logits = random_logits(len(reqs), 40, seed + i)
+        out = sampler(logits, reqs)
+        plans.append(sampler.plan)
+        assert out.token_ids == logits.argmax(-1).tolist()
+        assert [lp is not None for lp in out.logprobs] == [r in drawn for r in reqs]
+    assert plans[1] is plans[0], "a copy of the same batch keeps the plan"
+    assert len({id(p) for p in plans[1:]}) == 4, "a reordered, shrunk or different batch gets a new plan"
+
+
 def test_greedy_takes_the_argmax_of_the_processed_logits():
     logits = random_logits(1, 50, 0)
     weakest = int(logits[0].argmin())

@@ -20,6 +20,7 @@ def test_steps_respect_token_budget_and_max_num_seqs(tiny_model):
 
     def spy(sched, block_ids, *rest):
         steps.append((sched.total_tokens, list(sched.num_scheduled_tokens)))
+        assert sched.num_prompt_tokens == _prompt_tokens(sched)
         return orig(sched, block_ids, *rest)
 
     engine.core.runner.launch = spy
@@ -35,6 +36,12 @@ def test_steps_respect_token_budget_and_max_num_seqs(tiny_model):
     assert mixed, "a step should mix decodes with a prefill chunk"
 
 
+def _prompt_tokens(sched):
+    """The prompt tokens a step computes, counted row by row (what the scheduler's running total must equal)."""
+    return sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+               for r, n in zip(sched.requests, sched.num_scheduled_tokens))
+
+
 def test_preempted_request_finishes_with_same_tokens(tiny_model):
     folder = str(tiny_model("llama"))
     prompts = _prompts(8, 40, 120, 2)
@@ -42,7 +49,15 @@ def test_preempted_request_finishes_with_same_tokens(tiny_model):
     roomy = LLM(folder, dtype="float32", device="cpu", block_size=16)
     tight = LLM(folder, dtype="float32", device="cpu", block_size=16, num_kv_blocks=14, max_model_len=200)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, sp)]
+    orig, counts = tight.llm_engine.core.runner.launch, []
+
+    def spy(sched, block_ids, *rest):  # recomputed prompts after a preemption count again, cache hits never
+        counts.append((sched.num_prompt_tokens, _prompt_tokens(sched)))
+        return orig(sched, block_ids, *rest)
+
+    tight.llm_engine.core.runner.launch = spy
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, sp)]
+    assert all(a == b for a, b in counts) and sum(a for a, _ in counts) > sum(map(len, prompts))
     stats = tight.llm_engine.stats()
     assert stats.num_preemptions > 0
     assert got == expected
