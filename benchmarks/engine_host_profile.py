@@ -5,6 +5,7 @@ request decodes, then the same N steps under cProfile (by own time, then cumulat
     python benchmarks/engine_host_profile.py qwen05b [PENALTY_FRACTION] [STEPS]   # a GPU: bf16, CUDA graphs
     python benchmarks/engine_host_profile.py tiny 0.5 30                         # the CPU: float32, a tiny model
     python benchmarks/engine_host_profile.py qwen05b 0 50 --torch-profile DIR     # + torch.profiler's op table
+    python benchmarks/engine_host_profile.py --cpu-smoke                          # tiny 0.5 3 (CI: it runs)
 
 --torch-profile DIR also runs the steps under torch.profiler (CPU and CUDA activity) and writes DIR/ops.txt (every
 op's host time, by self CPU time: which torch ops, copies and kernel launches the host spends a step on) and
@@ -36,6 +37,8 @@ SHAPES = {"qwen05b": common.QWEN25_05B, "8b": common.LLAMA3_8B, "tiny": dict(com
 
 def main() -> None:
     args = sys.argv[1:]
+    if args == ["--cpu-smoke"]:
+        args = ["tiny", "0.5", "3"]
     torch_dir = None
     if "--torch-profile" in args:
         at = args.index("--torch-profile")

@@ -1,16 +1,19 @@
 """HTTP throughput of `vserve serve` against offline `LLM.generate` on the same prompts and concurrency.
 
     python benchmarks/http_vs_offline.py [--model M] [--num-prompts 32] [--output-len 64] [--dtype float32]
-                                         [--no-engine-process]
+                                         [--no-engine-process] [--out DIR] [--cpu-smoke]
 
 Starts a real server process on loopback, sends every prompt at once (streaming off), and runs the same
-prompts offline in this process afterwards; prints output tok/s for both and their ratio.
+prompts offline in this process afterwards; prints output tok/s for both and their ratio (and writes them to
+DIR/http_vs_offline.json with --out). --cpu-smoke: 4 prompts of 16 tokens, 8 new each (the commands run, nothing is
+measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -46,7 +49,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-engine-process", action="store_true", help="serve with the engine loop on a thread")
+    ap.add_argument("--out", default=None, help="a folder for http_vs_offline.json")
+    ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
+    if args.cpu_smoke:
+        args.num_prompts, args.input_len, args.output_len = 4, 16, 8
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 49000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     port = free_port()
@@ -84,6 +91,12 @@ def main() -> None:
     print(f"http     {http_s:7.2f} s  {n / http_s:8.1f} output tok/s")
     print(f"offline  {offline_s:7.2f} s  {n / offline_s:8.1f} output tok/s")
     print(f"http / offline = {offline_s / http_s:.3f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "http_vs_offline.json"), "w") as f:
+            json.dump({"requests": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                       "engine": "thread" if args.no_engine_process else "process", "http_s": http_s,
+                       "offline_s": offline_s, "http_over_offline": offline_s / http_s}, f, indent=1)
 
 
 if __name__ == "__main__":
