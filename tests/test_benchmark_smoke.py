@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = {
     "h200_rows.py": "h200_rows.json", "h200_engine.py": "h200_engine.json", "h200_bench.py": "h200_bench.json",
     "multi_gpu.py": "multi_gpu.json", "quantize_timing.py": "quantize_timing.json",
-    "http_vs_offline.py": "http_vs_offline.json", "engine_host_profile.py": None,
+    "http_vs_offline.py": "http_vs_offline.json", "engine_host_profile.py": None, "host_phases.py": "host_phases.json",
     "kernels/decode_sweep.py": "decode_sweep.json", "kernels/fused_moe.py": "fused_moe.json",
     "kernels/mla_decode.py": "mla_decode.json", "kernels/triton_sass.py": "triton_sass.json",
     "kernels/w4a16.py": "w4a16.json", "kernels/w8a8.py": "w8a8.json",
