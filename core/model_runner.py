@@ -285,7 +285,8 @@ class ModelRunner:
         self.prompt_scores = score(self.model, hidden, step.prompt_lp) if step.prompt_lp is not None else None
         if step.sample_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[rows])
+        # every token row samples (a decode step): rows is 0..T-1, so no gather
+        return self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])
 
     def _run_pipeline(self, micro: list[StepInputs]) -> torch.Tensor | None:
         """Micro-batches flow through the stages: stage s runs micro-batch i while stage s+1 runs i-1. Each stage
