@@ -4,6 +4,9 @@
 #         #24's qwen05b_512 and start-up rows)
 #   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's)
 #   sv    the structured rows (#29: unconstrained and JSON, SmolLM2's tokenizer), or ROWS
+#   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
+#         row; $OUT/fused_moe_configs.json is the file to commit)
+#   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
 #   rows  ROWS alone
 # ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
 set -u
@@ -37,6 +40,14 @@ PY
   rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1 ;;
 sv)
   VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json ;;
+moe)
+  timeout "${TUNE_S:-300}" python3 benchmarks/kernels/fused_moe.py --tune --out "$OUT" > "$OUT/moe_tune.log" 2>&1
+  [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" kernels/
+  rows deepseek_v2_lite_512 ;;
+w4)
+  timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune --out "$OUT" > "$OUT/w4_tune.log" 2>&1
+  [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/
+  rows w4_bs1_bf16,w4_bs1_awq,w4_256_bf16,w4_256_awq ;;
 rows)
   rows "" ;;
 esac
