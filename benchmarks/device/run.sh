@@ -38,8 +38,12 @@ open(sys.argv[1], "w").write(text)
 print(text)
 PY
   rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1 ;;
-sv)
-  VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json ;;
+sv)  # under the step trace: each engine run's step interval, device wait and host time, constrained or not
+  mkdir -p "$OUT/trace"
+  VSERVE_STEP_TRACE_DIR="$OUT/trace" PYTHONPATH="benchmarks/steptrace:$PYTHONPATH" \
+    VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json
+  python3 benchmarks/steptrace/analyze.py "$OUT/trace" --all-runs > "$OUT/trace_summary.txt" 2>&1
+  tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace" ;;
 moe)
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/fused_moe.py --tune --out "$OUT" > "$OUT/moe_tune.log" 2>&1
   [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" kernels/

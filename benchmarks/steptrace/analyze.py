@@ -1,6 +1,8 @@
-"""Summarize sitecustomize.py's traces: per process, the largest run of steps (the benchmark's timed run).
+"""Summarize sitecustomize.py's traces: per process, the largest run of steps (the benchmark's timed run), or with
+--all-runs every run of 50 steps or more (a process that ran its engine twice: `bench throughput --json-schema` runs
+the same lengths unconstrained after the constrained run).
 
-    python benchmarks/steptrace/analyze.py DIR [--json]
+    python benchmarks/steptrace/analyze.py DIR [--json] [--all-runs]
 """
 
 import json
@@ -22,12 +24,14 @@ def runs(events: list[dict]) -> list[list[dict]]:
     return out + ([cur] if cur else [])
 
 
-def summarize(events: list[dict], recvs: list[dict]) -> dict | None:
-    """The largest run's numbers; `recvs`: the server process's reader events (engine-process mode)."""
+def summarize(events: list[dict], recvs: list[dict], i: int | None = None) -> dict | None:
+    """Run i's numbers (None: the largest run's); `recvs`: the server process's reader events (engine-process
+    mode)."""
     all_runs = runs(events)
     if not all_runs:
         return None
-    i = max(range(len(all_runs)), key=lambda j: sum(s["tokens"] for s in all_runs[j]))
+    if i is None:
+        i = max(range(len(all_runs)), key=lambda j: sum(s["tokens"] for s in all_runs[j]))
     steps = all_runs[i]
     t_start, t_end = steps[0]["t0"], steps[-1]["t1"]
     t_prev = all_runs[i - 1][-1]["t1"] if i else float("-inf")
@@ -117,6 +121,11 @@ def main() -> None:
              for f in sorted(folder.glob("trace-*.jsonl"))}
     recvs = [e for events in files.values() for e in events if e["k"] == "recv"]
     for name, events in files.items():
+        if "--all-runs" in sys.argv:
+            for i, run in enumerate(runs(events)):
+                if len(run) >= 50:
+                    result[f"{name}#{i}"] = summarize(events, recvs, i)
+            continue
         s = summarize(events, recvs)
         if s is not None:
             result[name] = s
