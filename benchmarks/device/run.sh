@@ -7,7 +7,7 @@
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
-#   rows  ROWS alone
+#   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 # ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
 set -u
 MODE=$1
