@@ -127,6 +127,26 @@ def workload(n: int, seed: int, vocab: int, out_len: tuple[int, int], in_len=(10
     return prompts, [rng.randint(*out_len) for _ in range(n)]
 
 
+def start_decoding(core, vocab: int, penalty_fraction: float, prompt_lens: tuple[int, int], max_tokens: int,
+                   eos_token_id: int | None = None, n: int = 256) -> None:
+    """The host profiles' workload on an in-process EngineCore (engine_host_profile.py, host_phases.py): n requests
+    of random token ids (prompts U[prompt_lens]) at temperature 1, eos ignored, the first penalty_fraction of them
+    with repetition_penalty 1.1 and logprobs 5; stepped until every request decodes, then 20 steps more."""
+    from vserve.core.request import Request
+    from vserve.core.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    for i in range(n):
+        extra = dict(repetition_penalty=1.1, logprobs=5) if i < penalty_fraction * n else {}
+        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(*prompt_lens))]
+        core.add_request(Request(f"r{i}", prompt, sp, sp.max_tokens, eos_token_id=eos_token_id))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()
+    for _ in range(20):
+        core.step()
+
+
 def hf_config(cfg: dict):
     """cfg as a transformers config (for HF peers on the same random weights)."""
     from transformers import AutoConfig

@@ -20,7 +20,6 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import random
 import sys
 import time
 
@@ -29,8 +28,6 @@ import torch
 
 from vserve.core.config import EngineConfig
 from vserve.core.engine_core import EngineCore
-from vserve.core.request import Request
-from vserve.core.sampling_params import SamplingParams
 
 SHAPES = {"qwen05b": common.QWEN25_05B, "8b": common.LLAMA3_8B, "tiny": dict(common.TINY, vocab_size=1024)}
 
@@ -52,16 +49,8 @@ def main() -> None:
     core = EngineCore(EngineConfig(model=common.model_folder(dict(shape)), load_format="dummy",
                                    dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
                                    max_num_seqs=256, async_scheduling=True))
-    rng, vocab = random.Random(0), shape["vocab_size"]
-    for i in range(256):
-        extra = dict(repetition_penalty=1.1, logprobs=5) if i < frac * 256 else {}
-        sp = SamplingParams(temperature=1.0, max_tokens=512, ignore_eos=True, **extra)
-        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(100, 1024) if cuda else rng.randint(10, 40))]
-        core.add_request(Request(f"r{i}", ids, sp, sp.max_tokens, eos_token_id=shape.get("eos_token_id")))
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
-        core.step()
-    for _ in range(20):
-        core.step()
+    common.start_decoding(core, shape["vocab_size"], frac, (100, 1024) if cuda else (10, 40), 512,
+                          shape.get("eos_token_id"))
     sync()
     t = time.perf_counter()
     for _ in range(steps):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import time
 import types
@@ -27,8 +26,6 @@ import vserve.core.sampler as sampler_mod
 from vserve.core.config import EngineConfig
 from vserve.core.core_client import tune_gc
 from vserve.core.engine_core import EngineCore
-from vserve.core.request import Request
-from vserve.core.sampling_params import SamplingParams
 
 PHASES = (("scheduler", "schedule"), ("kv", "block_table"), ("runner", "build_step"), ("sampler", "sample"),
           ("core", "_process"))
@@ -73,16 +70,7 @@ def main() -> None:
             finally:
                 seconds[_name] += time.perf_counter() - t0
         setattr(owners[owner], name, timed)
-    rng = random.Random(0)
-    for i in range(256):
-        extra = dict(repetition_penalty=1.1, logprobs=5) if i < args.penalty_fraction * 256 else {}
-        sp = SamplingParams(temperature=1.0, max_tokens=5000, ignore_eos=True, **extra)
-        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(10, 40))]
-        core.add_request(Request(f"r{i}", prompt, sp, sp.max_tokens))
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
-        core.step()
-    for _ in range(20):
-        core.step()
+    common.start_decoding(core, vocab, args.penalty_fraction, (10, 40), 5000)  # no request ends while timed
     tune_gc()
     results = []
     for _ in range(runs):
