@@ -7,7 +7,7 @@ Core -> front end: ("step", StepOutputs, CoreStats) once per step (the new token
 raised.
 
 `CoreLoop` is the core's side of it: it applies the commands in arrival order and steps while there is work.
-`InprocClient` runs it on the caller's thread (`recv()` steps the core: the CPU path, TP, and the server's
+`InprocClient` runs it on the caller's thread (`recv()` steps the core: the CPU path and the server's
 `--no-engine-process`); `ProcClient` runs it in an engine process of its own (`spawn`: CUDA-safe) and carries the
 messages over two pipes, so the front end's detokenization and HTTP work overlap the device's step.
 """
@@ -49,6 +49,7 @@ class CoreLoop:
         self._inbox: list[tuple] = []  # in arrival order: an abort and a new request reusing an id stay ordered
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.front_end_lost = False  # the engine process's front end died (no shutdown came)
 
     def put(self, command: tuple) -> None:
         with self._lock:
@@ -157,6 +158,7 @@ def _receive(loop: CoreLoop, commands) -> None:
             if cmd[0] == "shutdown":
                 return
     except (EOFError, OSError):  # the front end's process is gone
+        loop.front_end_lost = True
         loop.stop()
 
 
@@ -202,7 +204,8 @@ def run_engine_core(config: EngineConfig, commands, outputs) -> None:
             pass
         code = 1
     finally:
-        core.shutdown()
+        # a front end that died without saying shutdown crashed: other nodes' ranks see a failure, not a clean end
+        core.shutdown(graceful=not loop.front_end_lost)
     sys.exit(code)
 
 
@@ -321,9 +324,7 @@ def start_core(config: EngineConfig, serving: bool) -> tuple[InprocClient | Proc
 def use_engine_process(config: EngineConfig, serving: bool) -> bool:
     """Whether the core gets a process of its own: as asked, else for a server, and on a GPU (the text work then
     overlaps the device's step); on the CPU an offline run keeps it in-process (no spawn, no second model import).
-    Tensor/pipeline parallel ranks are started by an in-process core (their collectives are tested there)."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        return False
+    Under tensor/pipeline parallelism the core (rank 0) starts the other ranks wherever it runs."""
     if config.engine_process is not None:
         return config.engine_process
     if serving:

@@ -1,20 +1,24 @@
 """Tensor and pipeline parallelism: one process per rank; rank 0 schedules and broadcasts each step.
 
 Global rank r is TP rank r % tp of pipeline stage r // tp. Each stage's TP group (NCCL on GPUs, gloo on CPU)
-carries all-reduce and all-gather; activations go from stage to stage with send/recv; a gloo control group
-over all ranks carries each step's inputs as a pickled object. A single process (TP=PP=1) initialises none
-of them, and every helper here is then a no-op.
+carries all-reduce and all-gather; activations go from stage to stage with send/recv. Each step's inputs go from
+rank 0 to the others through a ring in shared memory where every rank runs on one node (core/shm_ring.py), else
+(and for start-up's one-off messages) through a gloo control group over all ranks. A single process (TP=PP=1)
+initialises none of them, and every helper here is then a no-op.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from vserve.core.shm_ring import ShmRing, dumps
 
 # How long a collective may wait for a peer before the rank gives up (a dead or hung rank).
 TIMEOUT_S = float(os.environ.get("VSERVE_DIST_TIMEOUT", "120"))
@@ -29,6 +33,7 @@ class ParallelState:
     tp_size: int = 1
     device_group: object = None  # this stage's TP group
     cpu_group: object = None  # the control group (gloo, all ranks)
+    ring: ShmRing | None = None  # the steps' channel where all ranks share a node
 
 
 _STATE = ParallelState()
@@ -81,6 +86,9 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
 
 
 def destroy_distributed() -> None:
+    if _STATE.ring is not None:
+        _STATE.ring.close()
+        _STATE.ring = None
     if _STATE.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.rank, _STATE.world_size, _STATE.tp_size, _STATE.device_group, _STATE.cpu_group = 0, 1, 1, None, None
@@ -102,10 +110,50 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj: object = None) -> object:
-    """Rank 0's obj on every rank (through the gloo control group)."""
-    box = [obj]
+    """Rank 0's obj on every rank, through the gloo control group (pickled as shm_ring.dumps does: tensors as
+    arrays)."""
+    if _STATE.rank == 0:
+        dist.broadcast_object_list([bytes(dumps(obj))], src=0, group=_STATE.cpu_group)
+        return obj
+    box = [None]
     dist.broadcast_object_list(box, src=0, group=_STATE.cpu_group)
-    return box[0]
+    return pickle.loads(box[0])
+
+
+def open_step_ring() -> str:
+    """Rank 0, where every rank runs on its node: the shared-memory ring the steps take from now on; its name for
+    the other ranks' attach_step_ring."""
+    _STATE.ring = ShmRing.create(_STATE.world_size - 1)
+    return _STATE.ring.name
+
+
+def attach_step_ring(name: str) -> None:
+    _STATE.ring = ShmRing.attach(name, _STATE.world_size - 1)
+
+
+def broadcast_step(step: object) -> None:
+    """Rank 0: one step's inputs (None: stop) to every other rank."""
+    ring = _STATE.ring
+    if ring is None:
+        broadcast_object(step)
+        return
+    timeout = float(os.environ.get("VSERVE_DIST_TIMEOUT", TIMEOUT_S))
+    ring.write(step, lambda payload: dist.broadcast_object_list([bytes(payload)], src=0, group=_STATE.cpu_group),
+               timeout)
+
+
+def receive_step() -> object:
+    """Ranks other than 0: the next step rank 0 sends (waits while the engine is idle)."""
+    ring = _STATE.ring
+    if ring is None:
+        return broadcast_object()
+
+    def overflow() -> object:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=_STATE.cpu_group)
+        return pickle.loads(box[0])
+
+    return ring.read(_STATE.rank - 1, overflow)
 
 
 def isend(tensors: list[torch.Tensor], dst: int) -> list:

@@ -97,9 +97,11 @@ class EngineCore:
         self.memory_plan.check()
         num_blocks = self.memory_plan.num_blocks
         if self.workers is not None:
-            from vserve.core.distributed import broadcast_object
+            from vserve.core import distributed
 
-            broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len})
+            ring = distributed.open_step_ring() if config.nnodes == 1 else None  # else steps go over gloo
+            distributed.broadcast_object({"num_blocks": num_blocks, "max_model_len": self.max_model_len,
+                                          "step_ring": ring})
         # where every layer slides, blocks behind the window go back to the pool as a request moves on
         longrope = longrope_offset(mc.rope_scaling, mc.max_position_embeddings)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window(),
@@ -320,7 +322,7 @@ class EngineCore:
 
         if graceful:
             try:
-                distributed.broadcast_object(None)
+                distributed.broadcast_step(None)
             except Exception:  # a rank already gone: nothing to tell it
                 graceful = False
         workers.shutdown(timeout_s=10.0 if graceful else 0.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vserve.core.distributed import broadcast_object, get_pp_rank, get_pp_size, get_rank, get_tp_size, isend, recv
+from vserve.core.distributed import broadcast_step, get_pp_rank, get_pp_size, get_rank, get_tp_size, isend, recv
 from vserve.core.layers.attention import AttentionMetadata
 from vserve.core.layers.rotary import longrope_offset
 from vserve.core.model_config import ModelConfig
@@ -344,7 +344,7 @@ class ModelRunner:
         else:
             step, reqs = self.build_step(sched, table)
         if get_tp_size() * get_pp_size() > 1:
-            broadcast_object(step)  # the other ranks run the same step on their shards
+            broadcast_step(step)  # the other ranks run the same step on their shards
         logits = self.run_step(step)
         if self.prompt_scores is not None:
             keep(self.prompt_segments, self.prompt_scores)

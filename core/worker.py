@@ -49,10 +49,12 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, device_type: s
         info = distributed.broadcast_object()
         if info is None:  # rank 0 failed while starting
             return
+        if info["step_ring"] is not None:
+            distributed.attach_step_ring(info["step_ring"])
         runner = ModelRunner(model, mc, config.block_size, info["num_blocks"], dtype, device, config.seed,
                              max_num_seqs=config.max_num_seqs, max_model_len=info["max_model_len"],
                              kv_cache_dtype=config.kv_cache_dtype, lora=attach_lora(model, config, dtype, device))
-        while (step := distributed.broadcast_object()) is not None:
+        while (step := distributed.receive_step()) is not None:
             runner.run_step(step)
     finally:
         distributed.destroy_distributed()

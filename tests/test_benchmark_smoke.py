@@ -20,7 +20,7 @@ SCRIPTS = {
     "http_vs_offline.py": "http_vs_offline.json", "engine_host_profile.py": None, "host_phases.py": "host_phases.json",
     "kernels/decode_sweep.py": "decode_sweep.json", "kernels/fused_moe.py": "fused_moe.json",
     "kernels/mla_decode.py": "mla_decode.json", "kernels/triton_sass.py": "triton_sass.json",
-    "kernels/w4a16.py": "w4a16.json", "kernels/w8a8.py": "w8a8.json",
+    "kernels/w4a16.py": "w4a16.json", "kernels/w8a8.py": "w8a8.json", "step_broadcast.py": "step_broadcast.json",
 }  # kernels/w4a16_tc.py: tests/test_w4a16_tc.py
 
 

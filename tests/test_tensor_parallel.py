@@ -39,6 +39,8 @@ def test_tp2_greedy_tokens_equal_tp1_and_hf(tiny_model, case, hf_greedy):
     tp1 = _greedy(folder)
     assert not dist.is_initialized()  # one process never starts torch.distributed
     assert _greedy(folder, tensor_parallel_size=2, max_num_batched_tokens=32) == tp1  # chunked prefill too
+    # the engine process starts the other rank and feeds it through shared memory, as `serve` and GPUs run it
+    assert _greedy(folder, tensor_parallel_size=2, engine_process=True) == tp1
     assert tp1 == hf_greedy(folder, _prompts(), NEW_TOKENS)
     assert not dist.is_initialized()  # shut down cleanly: the next engine may start its own group
 
