@@ -2,7 +2,8 @@
 # One device call's benchmarks, results under $OUT (the device tool's folder). MODE:
 #   host  the 0.5B step's host time by torch op (engine_host_profile --torch-profile), then ROWS (default: issue
 #         #24's qwen05b_512 and start-up rows)
-#   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's)
+#   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's,
+#         the 0.8x goal's pair first)
 #   sv    the structured rows (#29: unconstrained and JSON, SmolLM2's tokenizer), or ROWS
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
@@ -18,14 +19,14 @@ export PYTHONPATH=/tmp/site:/tmp/p PYTHONUNBUFFERED=1 VSERVE_NO_PROGRESS=1
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "tree $(cat .whl/REV 2>/dev/null)"
   python3 -c "import transformers, torch, triton; print('transformers', transformers.__version__, 'torch',
 torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/machine.txt"
-rows() { timeout "${ROWS_S:-400}" python3 benchmarks/h200_rows.py --out "$OUT" --rows "${ROWS:-$1}" > "$OUT/rows.log" 2>&1; }
+rows() { timeout "${ROWS_S:-380}" python3 benchmarks/h200_rows.py --out "$OUT" --rows "${ROWS:-$1}" > "$OUT/rows.log" 2>&1; }
 case $MODE in
 host)
   timeout 150 python3 benchmarks/engine_host_profile.py qwen05b 0 30 --torch-profile "$OUT/tp" > "$OUT/hostprof.txt" 2>&1
   gzip -f "$OUT/tp/trace.json"
   rows qwen05b_512,startup_serve_8b,startup_generate_8b ;;
 lora)
-  timeout 200 python3 - "$OUT/lora_kernels.md" > "$OUT/lora_kernels.log" 2>&1 <<'PY'
+  timeout 170 python3 - "$OUT/lora_kernels.md" > "$OUT/lora_kernels.log" 2>&1 <<'PY'
 import sys
 import torch
 from vserve.kernels import gpu_check as g
@@ -37,7 +38,7 @@ text = (f"# LoRA kernels on {torch.cuda.get_device_name()}\n\n## check ({sum(r.o
 open(sys.argv[1], "w").write(text)
 print(text)
 PY
-  rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1 ;;
+  rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1,lora_8b_512_n1,lora_8b_512_n32 ;;
 sv)  # under the step trace: each engine run's step interval, device wait and host time, constrained or not
   mkdir -p "$OUT/trace"
   VSERVE_STEP_TRACE_DIR="$OUT/trace" PYTHONPATH="benchmarks/steptrace:$PYTHONPATH" \
