@@ -13,13 +13,24 @@ is computed again). Which candidates survive, how finished hypotheses are scored
 - the search stops at max_tokens, or with early_stopping=True once beam_width hypotheses are finished, or (False,
   the default) once beam_width are finished and the best running beam's sum / its current length ** length_penalty
   cannot beat the worst of them ("never": the same test at max_tokens' length when length_penalty > 0).
+
+Under a structured output (`BeamSearchParams.structured_outputs`) each beam's step request carries the grammar and
+the beam's tokens so far (`StructuredOutputsParams.beam_prefix`): the core's matcher accepts them, masks the step,
+and lists the top logprobs among the allowed tokens only, so every candidate keeps the beam inside the grammar (HF's
+beam search with a logits processor that sets disallowed tokens to -inf: the scores stay the model's log-softmax).
+A beam whose grammar is complete may take only EOS, which finishes it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from vserve.core.messages import Logprob
+
+if TYPE_CHECKING:
+    from vserve.core.structured_output import StructuredOutputsParams
 
 
 @dataclass
@@ -33,6 +44,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     early_stopping: bool | str = False
+    structured_outputs: StructuredOutputsParams | None = None  # vserve's: every beam stays inside this grammar
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -43,6 +55,9 @@ class BeamSearchParams:
             raise ValueError(f"beam search is deterministic here: temperature must be 0, got {self.temperature!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("beam search under a structured output needs EOS (a beam whose grammar is complete "
+                             "ends with it): ignore_eos must be False")
 
 
 @dataclass
@@ -92,7 +107,8 @@ class BeamSearch:
     def advance(self, next_logprobs: list[dict[int, Logprob]]) -> None:
         width, lp = self.params.beam_width, self.params.length_penalty
         cands = sorted(((b.cum_logprob + e.logprob, i, tok) for i, (b, d) in enumerate(zip(self.running, next_logprobs))
-                        for tok, e in d.items()), key=lambda c: -c[0])[:self.num_top]
+                        for tok, e in d.items() if e.logprob != -math.inf),  # -inf: a grammar's disallowed token
+                       key=lambda c: -c[0])[:self.num_top]
         gen_len = self.step + 1
         at_limit = gen_len >= self.max_tokens
         running = []
@@ -144,11 +160,17 @@ def start_searches(processor, prompts: list[str | list[int]], params: BeamSearch
 
 
 def step_params(searches: list[BeamSearch]):
-    """Each step's requests: one greedy token with the top-K logprobs the search ranks (EOS is not a stop here:
-    the search decides what an EOS ends)."""
+    """Each step's requests, in pending() order: one greedy token with the top-K logprobs the search ranks (EOS is
+    not a stop here: the search decides what an EOS ends). One SamplingParams for all, or under a structured output
+    one per beam, its grammar after the beam's tokens (EOS then ends the grammar, as the search's stop)."""
     from vserve.core.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=searches[0].num_top)
+    so = searches[0].params.structured_outputs if searches else None
+    if so is None:
+        return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=searches[0].num_top)
+    return [SamplingParams(temperature=0, max_tokens=1, logprobs=s.num_top,
+                           structured_outputs=replace(so, beam_prefix=tuple(b.tokens)))
+            for s in searches if not s.done for b in s.running]
 
 
 def advance_all(searches: list[BeamSearch], outs: list) -> None:

@@ -82,16 +82,23 @@ def column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tens
     return t
 
 
-def batched_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
-                     params: list) -> tuple[torch.Tensor, ...]:
+def batched_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list,
+                     allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """For `rows`: (the sampled token's log-softmax, its rank (1 = most likely), the top-N log-softmax values and
-    ids with N the largest asked), from the raw logits, as device tensors: nothing is read back here."""
+    ids with N the largest asked), from the raw logits, as device tensors: nothing is read back here. allowed:
+    (positions in `rows`, their allowed-token masks): those rows' top N are taken among the allowed tokens only
+    (beam search under a grammar), a disallowed one filling the list at -inf where fewer are allowed."""
     idx = column(rows, logits.device, torch.long) if len(rows) < logits.shape[0] else None
     raw = (logits if idx is None else logits.index_select(0, idx)).log_softmax(-1)
     chosen = raw.gather(1, (tokens if idx is None else tokens.index_select(0, idx)).unsqueeze(1))
     rank = (raw > chosen).sum(-1) + 1
     k = max(params[i].logprobs for i in rows)
-    vals, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+    top = raw
+    if allowed is not None:
+        at, ok = allowed
+        at = column(at, raw.device, torch.long)
+        top = raw.index_put((at,), raw.index_select(0, at).masked_fill(~ok, float("-inf")))
+    vals, ids = top.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
     return chosen.squeeze(1), rank, vals, ids
 
 
@@ -324,12 +331,17 @@ class Sampler:
             plan = self.plan = SamplingPlan(reqs, dev, logits.dtype)
         raw = logits
         counted = None
+        allowed = None  # beam search rows under a grammar: their top logprobs among the allowed tokens
         if bitmask is not None:
             mask, rows = bitmask
             logits = logits.clone()  # logprobs are of the raw logits
             # the host words go to the device behind the step's queue; the next fill waits for this step's tokens
             for_device(logits).apply_token_bitmask(logits, mask.to(dev, non_blocking=True),
                                                    column(rows, dev, torch.long))
+            at = [j for j, i in enumerate(plan.lp_rows) if (g := reqs[i].grammar) is not None and g.allowed_logprobs]
+            if at:
+                masked = logits.index_select(0, column([plan.lp_rows[j] for j in at], dev, torch.long))
+                allowed = (at, masked != float("-inf"))
         if plan.needs_processing:
             if logits is raw:
                 logits = logits.clone()
@@ -363,7 +375,7 @@ class Sampler:
             self.counts.add(slots, tokens.index_select(0, column(rows, dev, torch.long)), ids)
         lp_rows = plan.lp_rows
         out = SampledTokens(tokens, plan.params, lp_rows,
-                            batched_logprobs(raw, tokens, lp_rows, plan.params) if lp_rows else ())
+                            batched_logprobs(raw, tokens, lp_rows, plan.params, allowed) if lp_rows else ())
         if dev.type == "cuda":
             out.copy_to_host()
         return out

@@ -40,6 +40,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # vserve's: the grammar starts after this token (a reasoning model's </think>; the server sets it)
     start_after_token_id: int | None = None
+    # vserve's, for beam search (core/beam_search.py sets it): the beam's tokens so far, which the matcher accepts
+    # before the step's mask; such a request's top logprobs are the allowed tokens' (the candidates a beam may take)
+    beam_prefix: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -86,6 +89,7 @@ class GrammarSpec:
     key: str
     compiled: str | None
     think_end_id: int | None = None
+    beam_prefix: tuple[int, ...] | None = None  # StructuredOutputsParams.beam_prefix
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -150,13 +154,13 @@ class GrammarCompiler:
         return before, after
 
     def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
-        key, think_end_id = params.key(), params.start_after_token_id
+        key, think_end_id, prefix = params.key(), params.start_after_token_id, params.beam_prefix
         with self._lock:
             self.num_requests += 1
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return GrammarSpec(key, compiled, think_end_id)
+                return GrammarSpec(key, compiled, think_end_id, prefix)
         compiler = self._ensure()
         t0 = time.perf_counter()
         try:
@@ -170,7 +174,7 @@ class GrammarCompiler:
             self._cache[key] = compiled
             if len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
-        return GrammarSpec(key, compiled, think_end_id)
+        return GrammarSpec(key, compiled, think_end_id, prefix)
 
     @staticmethod
     def _compile(compiler, p: StructuredOutputsParams):
@@ -204,6 +208,7 @@ class GrammarState:
     matcher: Any
     think_end_id: int | None = None
     active: bool = True
+    allowed_logprobs: bool = False  # a beam search step's: top logprobs among the allowed tokens only
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; whether the grammar is now complete (the sequence stops)."""
@@ -269,7 +274,11 @@ class StructuredOutputManager:
         stops = sorted(stop_token_ids)
         matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops or None,
                                      terminate_without_stop_token=not stops)
-        return GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None)
+        state = GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None,
+                             allowed_logprobs=spec.beam_prefix is not None)
+        for token in spec.beam_prefix or ():  # the beam's tokens (each one its mask allowed at its step)
+            state.accept(token)
+        return state
 
     def forget(self, key: str) -> None:
         self._grammars.pop(key, None)

@@ -144,3 +144,100 @@ def test_completions_use_beam_search_equals_offline(server_factory, eos_model, l
         assert sum(c["logprobs"]["token_logprobs"]) == pytest.approx(seq.cum_logprob, abs=1e-4)
     bad = httpx.post(server.url + "/v1/completions", json={**body, "stream": True})
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+
+
+# ---- under a structured output ----------------------------------------------------------------------------------
+REGEX = "[a-e]{2,6}"
+
+
+@pytest.fixture(scope="module")
+def grammar_setup(tiny_model):
+    """A tiny random Llama with SmolLM2's tokenizer (every letter and many letter runs are tokens), its vserve LLM
+    and the regex compiled by xgrammar for the HF reference's mask."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    folder = tiny_model("llama")
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256)
+    stops = sorted(llm.llm_engine.processor.stop_token_ids)
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = llm.llm_engine.processor.model_config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=stops)
+    return folder, llm, stops, xgr.GrammarCompiler(info).compile_regex(REGEX), tok
+
+
+def _hf_grammar_beams(folder, compiled, stops, prompt, width, length_penalty, max_tokens):
+    """HF generate(num_beams=width) with a logits processor that sets the grammar's disallowed tokens to -inf (each
+    row's matcher replayed from its generated tokens, so beam reordering cannot confuse it)."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            bitmask = xgr.allocate_token_bitmask(input_ids.shape[0], scores.shape[1])
+            for row, ids in enumerate(input_ids[:, len(prompt):].tolist()):
+                m = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+                for t in ids:
+                    assert m.accept_token(t)
+                m.fill_next_token_bitmask(bitmask, row)
+            xgr.apply_token_bitmask_inplace(scores, bitmask)
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
+                           length_penalty=length_penalty, max_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=stops, pad_token_id=0, logits_processor=LogitsProcessorList([Mask()]))
+    out = []
+    for row in g.tolist():
+        gen = row[len(prompt):]
+        end = next((i for i, t in enumerate(gen) if t in stops), None)
+        out.append(gen if end is None else gen[:end + 1])
+    return out
+
+
+@pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (3, 0.5)])
+def test_beam_search_under_a_grammar_equals_hf_with_the_mask(grammar_setup, width, length_penalty):
+    import re
+
+    from vserve import StructuredOutputsParams
+
+    folder, llm, stops, compiled, tok = grammar_setup
+    prompts = [[1, 17, 300, 4000, 12], list(range(100, 130))]
+    params = BeamSearchParams(beam_width=width, max_tokens=10, length_penalty=length_penalty,
+                              structured_outputs=StructuredOutputsParams(regex=REGEX))
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for p, out in zip(prompts, outs):
+        got = [s.tokens[len(p):] for s in out.sequences]
+        assert got == _hf_grammar_beams(folder, compiled, stops, p, width, length_penalty, 10)
+        for s, gen in zip(out.sequences, got):  # every hypothesis is the regex's, closed by EOS
+            assert s.finish_reason == "stop" and gen[-1] in stops
+            assert re.fullmatch(REGEX, tok.decode(gen[:-1])), tok.decode(gen[:-1])
+    assert llm.llm_engine.core.kv.num_free_blocks() == llm.llm_engine.core.kv.pool.num_blocks
+
+
+def test_beam_search_under_a_grammar_needs_eos():
+    from vserve import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="ignore_eos must be False"):
+        BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True,
+                         structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+
+
+def test_completions_use_beam_search_with_structured_outputs_equals_offline(server_factory, grammar_setup, tmp_path):
+    from vserve import StructuredOutputsParams
+
+    folder, llm, stops, _, tok = grammar_setup
+    server = server_factory([str(folder), "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
+                             "--max-model-len", "256"], tmp_path / "server.log")
+    prompt = list(range(100, 130))
+    offline = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5,
+                                                         structured_outputs=StructuredOutputsParams(regex=REGEX)))[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "use_beam_search": True, "best_of": 3, "n": 3,
+            "length_penalty": 0.5, "temperature": 0, "structured_outputs": {"regex": REGEX}}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert texts == [tok.decode(s.tokens[len(prompt):-1]) for s in offline.sequences]
+    assert all(c["finish_reason"] == "stop" for c in r.json()["choices"])

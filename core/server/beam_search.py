@@ -26,14 +26,17 @@ async def create_beam_search_completion(engine: AsyncLLM, body: CompletionReques
     proc = engine.engine.processor
     params = BeamSearchParams(beam_width=width, max_tokens=body.max_tokens or proc.max_model_len,  # None: what fits
                               ignore_eos=body.ignore_eos, temperature=body.temperature or 0.0,
-                              length_penalty=body.length_penalty, early_stopping=body.early_stopping)
+                              length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+                              structured_outputs=body.structured())
     prompts = body.prompts()
     searches = start_searches(proc, prompts, params)
     base_id = random_id("cmpl")
     step = 0
     while batch := [seq for s in searches for seq in s.pending()]:
         sp = step_params(searches)
-        gens = [engine.generate(f"{base_id}-{step}-{k}", seq, sp, stream=False) for k, seq in enumerate(batch)]
+        sps = sp if isinstance(sp, list) else [sp] * len(batch)  # one per beam under a structured output
+        gens = [engine.generate(f"{base_id}-{step}-{k}", seq, p, stream=False)
+                for k, (seq, p) in enumerate(zip(batch, sps))]
         outs = await asyncio.gather(*[_collect(g, raw) for g in gens])
         if any(o is None for o in outs):
             return JSONResponse({}, status_code=499)

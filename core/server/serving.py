@@ -152,8 +152,6 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
     if body.use_beam_search:
         from vserve.core.server.beam_search import create_beam_search_completion
 
-        if body.structured() is not None:
-            raise ValueError("use_beam_search cannot be used with a structured output (not supported yet)")
         if lora is not None:
             raise ValueError("use_beam_search cannot be used with a LoRA adapter (not supported yet)")
 
