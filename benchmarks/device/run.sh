@@ -8,6 +8,7 @@
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
+#   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25), then ROWS
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 # ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
 set -u
@@ -53,6 +54,10 @@ w4)
   timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune --out "$OUT" > "$OUT/w4_tune.log" 2>&1
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/
   rows w4_bs1_bf16,w4_bs1_awq,w4_256_bf16,w4_256_awq ;;
+fam)  # #25's fp32 greedy check of the Gemma-2-9B and Phi-3-mini shapes against HF, then ROWS if given
+  timeout "${FAM_S:-400}" python3 benchmarks/h200_engine.py --sections correct32 --shapes gemma2_9b,phi3_mini \
+    --out "$OUT" > "$OUT/fam_correct32.log" 2>&1
+  [ -n "${ROWS:-}" ] && rows "" ;;
 rows)
   rows "" ;;
 esac
