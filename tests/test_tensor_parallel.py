@@ -61,6 +61,26 @@ def test_killed_rank_is_named_within_bounded_time(tiny_model, monkeypatch):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 
 
+def test_killed_rank_of_the_engine_process_fails_the_request_with_its_name(tiny_model, monkeypatch):
+    import os
+    import signal
+    import subprocess
+
+    monkeypatch.setenv("VSERVE_DIST_TIMEOUT", "20")
+    llm = LLM(str(tiny_model("llama")), dtype="float32", device="cpu", skip_tokenizer_init=True,
+              tensor_parallel_size=2, engine_process=True)
+    try:
+        engine = llm.llm_engine.client.pid
+        kids = subprocess.run(["pgrep", "-P", str(engine)], capture_output=True, text=True).stdout.split()
+        ranks = [int(k) for k in kids if b"vserve.core.worker" in open(f"/proc/{k}/cmdline", "rb").read()]
+        assert len(ranks) == 1  # the engine process started rank 1 itself
+        os.kill(ranks[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker died: rank 1 \(exit code -9\)"):
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_tp_size_must_divide_the_heads(tiny_model):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size must divide the model's 4 attention heads, got 3"):
         LLM(str(tiny_model("llama")), dtype="float32", device="cpu", skip_tokenizer_init=True,
