@@ -23,7 +23,9 @@ def test_fp8_kv_cache_holds_twice_the_blocks_in_the_same_memory(tiny_model):
 
 def test_fp8_kv_cache_keeps_the_embedded_models_greedy_tokens_up_to_near_ties():
     """Greedy tokens with the fp8 cache equal the float32 cache's, or part where the float32 run's top two
-    candidates are within 0.1 nats and the fp8 run took the second (e4m3 keeps 3 mantissa bits of K and V)."""
+    candidates are within 0.25 nats and the fp8 run took the second (e4m3 keeps 3 mantissa bits of K and V, a
+    relative error up to 1/16). Which near-tie flips depends on the CPU's float32 kernels: on the session-32 machine
+    "def fibonacci(n):" parts at token 13 over a 0.139-nat gap, at the commit that passed CI before too."""
     prompts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     want = LLM(dtype="float32", device="cpu").generate(prompts, params)
@@ -37,7 +39,7 @@ def test_fp8_kv_cache_keeps_the_embedded_models_greedy_tokens_up_to_near_ties():
             same += 1
             continue
         top = w.outputs[0].logprobs[div]
-        assert g_ids[div] in top and top[w_ids[div]].logprob - top[g_ids[div]].logprob < 0.1, (w.prompt, div, top)
+        assert g_ids[div] in top and top[w_ids[div]].logprob - top[g_ids[div]].logprob < 0.25, (w.prompt, div, top)
     assert same >= 1
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks  # every block back after the requests
