@@ -160,14 +160,15 @@ def start_searches(processor, prompts: list[str | list[int]], params: BeamSearch
 
 
 def step_params(searches: list[BeamSearch]):
-    """Each step's requests, in pending() order: one greedy token with the top-K logprobs the search ranks (EOS is
-    not a stop here: the search decides what an EOS ends). One SamplingParams for all, or under a structured output
-    one per beam, its grammar after the beam's tokens (EOS then ends the grammar, as the search's stop)."""
+    """Each step's requests' SamplingParams, one per pending() sequence: one greedy token with the top-K logprobs the
+    search ranks (EOS is not a stop here: the search decides what an EOS ends); under a structured output each beam's
+    grammar after its tokens (EOS then ends the grammar, as the search's stop)."""
     from vserve.core.sampling_params import SamplingParams
 
     so = searches[0].params.structured_outputs if searches else None
     if so is None:
-        return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=searches[0].num_top)
+        return [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=searches[0].num_top)] * sum(
+            len(s.running) for s in searches if not s.done)
     return [SamplingParams(temperature=0, max_tokens=1, logprobs=s.num_top,
                            structured_outputs=replace(so, beam_prefix=tuple(b.tokens)))
             for s in searches if not s.done for b in s.running]

@@ -113,11 +113,16 @@ def broadcast_object(obj: object = None) -> object:
     """Rank 0's obj on every rank, through the gloo control group (pickled as shm_ring.dumps does: tensors as
     arrays)."""
     if _STATE.rank == 0:
-        dist.broadcast_object_list([bytes(dumps(obj))], src=0, group=_STATE.cpu_group)
+        _send_pickled(dumps(obj))
         return obj
     box = [None]
     dist.broadcast_object_list(box, src=0, group=_STATE.cpu_group)
     return pickle.loads(box[0])
+
+
+def _send_pickled(payload: memoryview) -> None:
+    """Rank 0's half of broadcast_object for bytes already pickled by dumps."""
+    dist.broadcast_object_list([bytes(payload)], src=0, group=_STATE.cpu_group)
 
 
 def open_step_ring() -> str:
@@ -138,8 +143,7 @@ def broadcast_step(step: object) -> None:
         broadcast_object(step)
         return
     timeout = float(os.environ.get("VSERVE_DIST_TIMEOUT", TIMEOUT_S))
-    ring.write(step, lambda payload: dist.broadcast_object_list([bytes(payload)], src=0, group=_STATE.cpu_group),
-               timeout)
+    ring.write(step, _send_pickled, timeout)  # a step too large for a slot: over gloo
 
 
 def receive_step() -> object:

@@ -33,10 +33,8 @@ async def create_beam_search_completion(engine: AsyncLLM, body: CompletionReques
     base_id = random_id("cmpl")
     step = 0
     while batch := [seq for s in searches for seq in s.pending()]:
-        sp = step_params(searches)
-        sps = sp if isinstance(sp, list) else [sp] * len(batch)  # one per beam under a structured output
         gens = [engine.generate(f"{base_id}-{step}-{k}", seq, p, stream=False)
-                for k, (seq, p) in enumerate(zip(batch, sps))]
+                for k, (seq, p) in enumerate(zip(batch, step_params(searches)))]
         outs = await asyncio.gather(*[_collect(g, raw) for g in gens])
         if any(o is None for o in outs):
             return JSONResponse({}, status_code=499)
