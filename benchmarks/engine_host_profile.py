@@ -5,11 +5,14 @@ request decodes, then the same N steps under cProfile (by own time, then cumulat
     python benchmarks/engine_host_profile.py qwen05b [PENALTY_FRACTION] [STEPS]   # a GPU: bf16, CUDA graphs
     python benchmarks/engine_host_profile.py tiny 0.5 30                         # the CPU: float32, a tiny model
     python benchmarks/engine_host_profile.py qwen05b 0 50 --torch-profile DIR     # + torch.profiler's op table
+    python benchmarks/engine_host_profile.py 8b 0 50 --requests 1 --torch-profile DIR  # batch 1 (8B): its kernels
     python benchmarks/engine_host_profile.py --cpu-smoke                          # tiny 0.5 3 (CI: it runs)
 
 --torch-profile DIR also runs the steps under torch.profiler (CPU and CUDA activity) and writes DIR/ops.txt (every
 op's host time, by self CPU time: which torch ops, copies and kernel launches the host spends a step on) and
-DIR/trace.json (a Chrome trace of the steps: where the host waits and where the device idles).
+DIR/trace.json (a Chrome trace of the steps: where the host waits and where the device idles), and on a GPU
+DIR/kernels.txt (the ops by device time: where a step's device time goes). --requests N decodes N requests instead
+of 256 (--requests 1: the batch-1 decode step).
 
 PENALTY_FRACTION of the requests also ask for repetition_penalty 1.1 and logprobs 5 (issue #24's penalties row).
 Not a user path (it skips the tokenizer and the front end): it isolates the engine process's share of a step.
@@ -41,6 +44,11 @@ def main() -> None:
         at = args.index("--torch-profile")
         torch_dir = args[at + 1]
         del args[at:at + 2]
+    num_requests = 256
+    if "--requests" in args:
+        at = args.index("--requests")
+        num_requests = int(args[at + 1])
+        del args[at:at + 2]
     shape = SHAPES[args[0]]
     frac = float(args[1]) if len(args) > 1 else 0.0
     steps = int(args[2]) if len(args) > 2 else 150
@@ -50,7 +58,7 @@ def main() -> None:
                                    dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
                                    max_num_seqs=256, async_scheduling=True))
     common.start_decoding(core, shape["vocab_size"], frac, (100, 1024) if cuda else (10, 40), 512,
-                          shape.get("eos_token_id"))
+                          shape.get("eos_token_id"), n=num_requests)
     sync()
     t = time.perf_counter()
     for _ in range(steps):
@@ -88,6 +96,10 @@ def torch_profile(core: EngineCore, steps: int, out_dir: str, sync) -> None:
     table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
     with open(os.path.join(out_dir, "ops.txt"), "w") as fh:
         fh.write(f"{steps} steps\n{table}\n")
+    if torch.cuda.is_available():
+        kernels = p.key_averages().table(sort_by="self_device_time_total", row_limit=60)
+        with open(os.path.join(out_dir, "kernels.txt"), "w") as fh:
+            fh.write(f"{steps} steps\n{kernels}\n")
     p.export_chrome_trace(os.path.join(out_dir, "trace.json"))
     print(f"torch.profiler over {steps} steps -> {out_dir}/ops.txt, trace.json")
 

@@ -178,6 +178,8 @@ class GrammarCompiler:
 
     @staticmethod
     def _compile(compiler, p: StructuredOutputsParams):
+        import xgrammar as xgr
+
         # JSON's whitespace: free (pretty-printing) but at most MAX_WHITESPACE characters between two elements, so a
         # sampled sequence cannot run on in whitespace until max_tokens (it did at temperature 1); compact JSON with
         # disable_any_whitespace
@@ -188,7 +190,7 @@ class GrammarCompiler:
                 json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the schema is not valid JSON: {e}") from None
-            return compiler.compile_json_schema(schema, **ws)
+            return compiler.compile_grammar(json_string_fix(xgr.Grammar.from_json_schema(schema, **ws)))
         if p.json_object:  # any object (not strict: any properties)
             return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
         if p.regex is not None:
@@ -198,7 +200,21 @@ class GrammarCompiler:
         if p.grammar is not None:
             return compiler.compile_grammar(p.grammar)
         tag = p.structural_tag if isinstance(p.structural_tag, str) else json.dumps(p.structural_tag)
-        return compiler.compile_structural_tag(tag)
+        return compiler.compile_grammar(json_string_fix(xgr.Grammar.from_structural_tag(tag)))
+
+
+# xgrammar (0.2.9) writes a string with minLength/maxLength as a count of this character class, which lets raw
+# control characters (a tab, \x01) into the JSON string, which JSON forbids (json.loads refuses it); its unbounded
+# strings use the class below. A length-bounded string stays without escapes, as xgrammar has it.
+_COUNTED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_string_fix(grammar):
+    """A grammar from a JSON schema (or a structural tag holding schemas) whose length-bounded strings refuse JSON's
+    forbidden control characters: the grammar itself where it has none, else its EBNF with the class replaced."""
+    text = str(grammar)
+    return text.replace(_COUNTED_CHAR, _JSON_CHAR) if _COUNTED_CHAR in text else grammar
 
 
 @dataclass

@@ -188,6 +188,36 @@ def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_m
         StructuredOutputsParams(choice=[])
 
 
+def test_length_bounded_json_strings_refuse_control_characters(default_model_dir):
+    """xgrammar 0.2.9 writes a string with maxLength as a count of [^"\\\r\n], so a sampled tab or \x01 went raw into
+    the JSON string (json.loads refused the output at temperature 1); vserve's grammar refuses them, token by token
+    too, and still takes what the schema allows."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from vserve.core.structured_output import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    gc = GrammarCompiler(tok, 49152, {2})
+    mgr = StructuredOutputManager(49152)
+    mgr.set_tokenizer_info(gc.tokenizer_info_json())
+    spec = gc.compile(StructuredOutputsParams(json=PERSON))
+    mgr.receive(spec)
+    for bad in ('{"name": "a\tb"', '{"name": "\x01', '{"name": "x", "age": 1, "color": "red", "tags": ["\x1f'):
+        assert not mgr.new_state(spec, {2}).matcher.accept_string(bad), repr(bad)
+    good = mgr.new_state(spec, {2})
+    assert good.matcher.accept_string('{"name": "Al Bo", "age": 120, "color": "red", "tags": ["a b", "c"]}')
+    assert good.accept(2)  # complete: its stop token terminates it
+    inside = mgr.new_state(spec, {2})
+    assert inside.matcher.accept_string('{"name": "Al')
+    mask = xgr.allocate_token_bitmask(1, 49152)
+    inside.matcher.fill_next_token_bitmask(mask, 0)
+    control = [i for i in range(len(tok)) if any(0 <= ord(c) < 32 for c in tok.decode([i]))]
+    assert control and not any(mask[0, i // 32].item() >> (i % 32) & 1 for i in control)
+    assert torch.any(mask != 0)
+
+
 def test_bitmask_of_many_rows_filled_on_threads_equals_one_row_at_a_time(default_model_dir):
     """From 8 constrained rows the core fills the masks with xgrammar's batch matcher; the same words as filling
     each row alone, rows without a grammar or with a finished one left out."""

@@ -10,8 +10,16 @@
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25), then ROWS
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
+#   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
+#         time (#24's batch-1 row), then ROWS if given
+# MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE.
 # ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
 set -u
+if [[ $1 == *,* ]]; then  # several modes in one device call, each under its own folder
+  top=$OUT
+  for m in ${1//,/ }; do mkdir -p "$top/$m"; OUT="$top/$m" bash "$0" "$m"; done
+  exit 0
+fi
 MODE=$1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -57,6 +65,11 @@ w4)
 fam)  # #25's fp32 greedy check of the Gemma-2-9B and Phi-3-mini shapes against HF, then ROWS if given
   timeout "${FAM_S:-400}" python3 benchmarks/h200_engine.py --sections correct32 --shapes gemma2_9b,phi3_mini \
     --out "$OUT" > "$OUT/fam_correct32.log" 2>&1
+  [ -n "${ROWS:-}" ] && rows "" ;;
+bs1)
+  timeout 150 python3 benchmarks/engine_host_profile.py 8b 0 40 --requests 1 --torch-profile "$OUT/tp" \
+    > "$OUT/bs1prof.txt" 2>&1
+  gzip -f "$OUT/tp/trace.json"
   [ -n "${ROWS:-}" ] && rows "" ;;
 rows)
   rows "" ;;
