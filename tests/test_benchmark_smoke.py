@@ -21,6 +21,7 @@ SCRIPTS = {
     "kernels/decode_sweep.py": "decode_sweep.json", "kernels/fused_moe.py": "fused_moe.json",
     "kernels/mla_decode.py": "mla_decode.json", "kernels/triton_sass.py": "triton_sass.json",
     "kernels/w4a16.py": "w4a16.json", "kernels/w8a8.py": "w8a8.json", "step_broadcast.py": "step_broadcast.json",
+    "grammar_fill.py": "grammar_fill.json",
 }  # kernels/w4a16_tc.py: tests/test_w4a16_tc.py
 
 

@@ -4,7 +4,8 @@
 #         #24's qwen05b_512 and start-up rows)
 #   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's,
 #         the 0.8x goal's pair first)
-#   sv    the structured rows (#29: unconstrained and JSON, SmolLM2's tokenizer), or ROWS
+#   sv    grammar_fill.py (the bitmask fill and matcher advance on this host's cores), then the structured rows
+#         (#29: unconstrained and JSON, SmolLM2's tokenizer) under the step trace, or ROWS
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
@@ -49,6 +50,7 @@ print(text)
 PY
   rows lora_8b_512_base,lora_8b_512_n8,lora_8b_bs1_base,lora_8b_bs1_n1,lora_8b_512_n1,lora_8b_512_n32 ;;
 sv)  # under the step trace: each engine run's step interval, device wait and host time, constrained or not
+  timeout 100 python3 benchmarks/grammar_fill.py --tokenizer .whl/smoltok --out "$OUT" > "$OUT/grammar_fill.log" 2>&1
   mkdir -p "$OUT/trace"
   VSERVE_STEP_TRACE_DIR="$OUT/trace" PYTHONPATH="benchmarks/steptrace:$PYTHONPATH" \
     VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json
