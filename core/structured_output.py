@@ -203,6 +203,18 @@ class GrammarCompiler:
         return compiler.compile_grammar(json_string_fix(xgr.Grammar.from_structural_tag(tag)))
 
 
+def fill_threads() -> int:
+    """Threads of the core's bitmask fill: $VSERVE_GRAMMAR_THREADS, else half the cores this process may use, at
+    most 8. Not every core: the fill ends with its slowest thread, and the front end (detokenizing the same step's
+    tokens), the core's own thread and the CUDA driver's need cores at the same time."""
+    import os
+
+    given = os.environ.get("VSERVE_GRAMMAR_THREADS")
+    if given:
+        return max(1, int(given))
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
 # xgrammar (0.2.9) writes a string with minLength/maxLength as a count of this character class, which lets raw
 # control characters (a tab, \x01) into the JSON string, which JSON forbids (json.loads refuses it); its unbounded
 # strings use the class below. A length-bounded string stays without escapes, as xgrammar has it.
@@ -316,13 +328,11 @@ class StructuredOutputManager:
         if len(rows) < 8:
             for j, i in enumerate(rows):
                 states[i].matcher.fill_next_token_bitmask(mask, j)
-        else:  # a mask inside a JSON string costs ~0.2 ms a row: spread the rows over the cores
+        else:  # a row's mask costs ~10 us (more at a JSON structure's edges): spread the rows over cores
             if self._batch is None:
-                import os
-
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(16, (os.cpu_count() or 2) - 1)))
+                self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
             self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], mask)
         self.fill_seconds += time.perf_counter() - t0
         self.fill_calls += 1
