@@ -66,9 +66,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted by the scheduler
     first_token_time: float | None = None
+    token_limit: int = 0  # prompt + max_tokens: the token count at which the length limit stops it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.token_limit = len(self.prompt_token_ids) + self.max_tokens
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

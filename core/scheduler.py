@@ -73,7 +73,7 @@ class Scheduler:
             req = running[i]
             pending = req.num_pending
             num_tokens = len(req.all_token_ids) + pending
-            if pending and (len(req.output_token_ids) + pending >= req.max_tokens or num_tokens >= max_len):
+            if pending and (num_tokens >= req.token_limit or num_tokens >= max_len):  # token_limit: prompt + max
                 i += 1
                 continue
             computed = req.num_computed_tokens
