@@ -203,18 +203,6 @@ class GrammarCompiler:
         return compiler.compile_grammar(json_string_fix(xgr.Grammar.from_structural_tag(tag)))
 
 
-def fill_threads() -> int:
-    """Threads of the core's bitmask fill: $VSERVE_GRAMMAR_THREADS, else half the cores this process may use, at
-    most 8. Not every core: the fill ends with its slowest thread, and the front end (detokenizing the same step's
-    tokens), the core's own thread and the CUDA driver's need cores at the same time."""
-    import os
-
-    given = os.environ.get("VSERVE_GRAMMAR_THREADS")
-    if given:
-        return max(1, int(given))
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-
-
 # xgrammar (0.2.9) writes a string with minLength/maxLength as a count of this character class, which lets raw
 # control characters (a tab, \x01) into the JSON string, which JSON forbids (json.loads refuses it); its unbounded
 # strings use the class below. A length-bounded string stays without escapes, as xgrammar has it.
@@ -247,6 +235,20 @@ class GrammarState:
             # only a token the mask allowed is sampled; one that is not means the grammar cannot go on
             return True
         return self.matcher.is_terminated()
+
+
+def fill_threads() -> int:
+    """Threads of the core's bitmask fill: $VSERVE_GRAMMAR_THREADS, else half the cores this process may use, at
+    most 8. Not every core: the fill ends with its slowest thread, and the front end (detokenizing the same step's
+    tokens), the core's own thread and the CUDA driver's need cores at the same time."""
+    import os
+
+    given = os.environ.get("VSERVE_GRAMMAR_THREADS")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"VSERVE_GRAMMAR_THREADS must be a positive integer, got {given!r}")
+        return int(given)
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 @dataclass

@@ -188,6 +188,21 @@ def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_m
         StructuredOutputsParams(choice=[])
 
 
+def test_bitmask_fill_threads_leave_cores_and_take_the_override(monkeypatch):
+    import os
+
+    from vserve.core.structured_output import fill_threads
+
+    monkeypatch.delenv("VSERVE_GRAMMAR_THREADS", raising=False)
+    assert fill_threads() == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    monkeypatch.setenv("VSERVE_GRAMMAR_THREADS", "3")
+    assert fill_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("VSERVE_GRAMMAR_THREADS", bad)
+        with pytest.raises(ValueError, match="VSERVE_GRAMMAR_THREADS must be a positive integer"):
+            fill_threads()
+
+
 def test_length_bounded_json_strings_refuse_control_characters(default_model_dir):
     """xgrammar 0.2.9 writes a string with maxLength as a count of [^"\\\r\n], so a sampled tab or \x01 went raw into
     the JSON string (json.loads refused the output at temperature 1); vserve's grammar refuses them, token by token
