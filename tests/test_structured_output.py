@@ -203,22 +203,29 @@ def test_bitmask_fill_threads_leave_cores_and_take_the_override(monkeypatch):
             fill_threads()
 
 
+def _person_core(model_dir):
+    """SmolLM2's tokenizer, a core-side manager holding PERSON's grammar, and its spec."""
+    from transformers import AutoTokenizer
+
+    from vserve.core.structured_output import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    gc = GrammarCompiler(tok, 49152, {2})
+    mgr = StructuredOutputManager(49152)
+    mgr.set_tokenizer_info(gc.tokenizer_info_json())
+    spec = gc.compile(StructuredOutputsParams(json=PERSON))
+    mgr.receive(spec)
+    return tok, mgr, spec
+
+
 def test_length_bounded_json_strings_refuse_control_characters(default_model_dir):
     """xgrammar 0.2.9 writes a string with maxLength as a count of [^"\\\r\n], so a sampled tab or \x01 went raw into
     the JSON string (json.loads refused the output at temperature 1); vserve's grammar refuses them, token by token
     too, and still takes what the schema allows."""
     import torch
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    from vserve.core.structured_output import StructuredOutputManager
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    gc = GrammarCompiler(tok, 49152, {2})
-    mgr = StructuredOutputManager(49152)
-    mgr.set_tokenizer_info(gc.tokenizer_info_json())
-    spec = gc.compile(StructuredOutputsParams(json=PERSON))
-    mgr.receive(spec)
+    tok, mgr, spec = _person_core(default_model_dir)
     for bad in ('{"name": "a\tb"', '{"name": "\x01', '{"name": "x", "age": 1, "color": "red", "tags": ["\x1f'):
         assert not mgr.new_state(spec, {2}).matcher.accept_string(bad), repr(bad)
     good = mgr.new_state(spec, {2})
@@ -238,16 +245,8 @@ def test_bitmask_of_many_rows_filled_on_threads_equals_one_row_at_a_time(default
     each row alone, rows without a grammar or with a finished one left out."""
     import torch
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    from vserve.core.structured_output import StructuredOutputManager
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    gc = GrammarCompiler(tok, 49152, {2})
-    mgr = StructuredOutputManager(49152)
-    mgr.set_tokenizer_info(gc.tokenizer_info_json())
-    spec = gc.compile(StructuredOutputsParams(json=PERSON))
-    mgr.receive(spec)
+    tok, mgr, spec = _person_core(default_model_dir)
     prefixes = ['{"name": "Al', '{', '{"name": "Bo", "age": 4', '{"name": "", "age": 7, "color": "re', "",
                 '{"name": "x", "age": 1, "color": "red", "tags": [', '{"name": "Cy"', '{"name": "D", "age": 120']
     states = []
