@@ -63,7 +63,7 @@ class Scheduler:
         # already: they come first). Under async scheduling a request's token sampled by the step in flight counts
         # as known (num_pending); one that will then have reached its length limit is not scheduled again.
         # This loop runs for every running request every step: plain comparisons instead of min(), bound methods
-        # and dict.get hoisted (a 256-row decode step's scheduling is most of the engine's host time).
+        # and dict.get hoisted (at 256 decode rows it is the largest share of the engine's host time a step).
         i = 0
         running = self.running
         n_running = len(running)

@@ -248,7 +248,8 @@ def fill_threads() -> int:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"VSERVE_GRAMMAR_THREADS must be a positive integer, got {given!r}")
         return int(given)
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(8, usable // 2))
 
 
 @dataclass

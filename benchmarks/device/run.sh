@@ -13,7 +13,7 @@
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 #   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
 #         time (#24's batch-1 row), then ROWS if given
-# MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE.
+# MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE, and a ROWS given applies to every one.
 # ROWS: benchmarks/h200_rows.py row names, comma-separated; ROWS_S: their time limit in seconds.
 set -u
 if [[ $1 == *,* ]]; then  # several modes in one device call, each under its own folder
