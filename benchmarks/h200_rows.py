@@ -217,7 +217,11 @@ def headline(r: dict) -> str:
             g = r["structured"]
             extra = (f"; compile cold {g['compile_cold_s'] * 1e3:.1f} ms, cached {g['compile_cached_s'] * 1e3:.2f} ms; "
                      f"bitmask {g['bitmask_fill_ms_per_step']:.2f} ms/step ({g['bitmask_rows_per_step']:.0f} rows), "
-                     f"accept {g['accept_us_per_token']:.1f} us/token, step {g['elapsed_ms_per_step']:.1f} ms")
+                     f"accept {g['accept_us_per_token']:.1f} us/token, step {g['elapsed_ms_per_step']:.1f} ms"
+                     + (f"; first structured request {g['first_structured_request_s']:.2f} s"
+                        if "first_structured_request_s" in g else "")
+                     + (f"; {g['ratio_same_lengths']:.3f}x unconstrained at the same lengths"
+                        if "ratio_same_lengths" in g else ""))
         if (r.get("memory") or {}).get("lora_slot_bytes"):
             m = r["memory"]
             extra += (f"; LoRA slots {m['lora_slot_bytes'] / 2**20:,.0f} MiB = "
