@@ -92,7 +92,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tok)
     gc = GrammarCompiler(tok, vocab, {tok.eos_token_id})
-    info = xgr.TokenizerInfo.deserialize_json(gc.tokenizer_info_json())  # what the core receives
+    info = xgr.TokenizerInfo.deserialize_json(gc.tokenizer_info("xgrammar")[1])  # what the core receives
     grammar = xgr.CompiledGrammar.deserialize_json(gc.compile(StructuredOutputsParams(json=ANSWER)).compiled, info)
     threads = [int(t) for t in args.threads.split(",")]
     words = tok.encode(" the cat sat on a mat", add_special_tokens=False)

@@ -114,7 +114,7 @@ def compile_times(llm, structured) -> dict[str, Any]:
     first compile (cold) and a second request's (the front end's cache)."""
     grammars = llm.llm_engine.processor.grammars
     t0 = time.perf_counter()
-    grammars.tokenizer_info_json()
+    grammars.tokenizer_info(grammars.backend if grammars.backend != "auto" else "xgrammar")
     t1 = time.perf_counter()
     grammars.compile(structured)
     t2 = time.perf_counter()

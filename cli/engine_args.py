@@ -20,6 +20,7 @@ from vserve.core.config import (  # plain dataclass, no torch
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
+    STRUCTURED_OUTPUTS_BACKENDS,
     EngineConfig,
 )
 from vserve.ops import startup  # stdlib only
@@ -109,6 +110,9 @@ ENGINE_FLAGS = (
     EngineFlag("max_loras", int, "LoRA adapters resident on the device at once (so at most this many per batch)"),
     EngineFlag("max_cpu_loras", int, "LoRA adapters kept in host memory", "--max-loras"),
     EngineFlag("max_lora_rank", int, "Highest LoRA rank served: 8, 16, 32, 64, 128, 256, 320 or 512"),
+    EngineFlag("structured_outputs_backend", str, f"{' | '.join(STRUCTURED_OUTPUTS_BACKENDS)}: the grammar engine of "
+               "structured outputs and forced tool calls; auto: xgrammar, and llguidance (pip install "
+               "'vserve[guidance]') for a grammar xgrammar cannot compile"),
     EngineFlag("profile", str, "GPU profile (vserve profiles list) or auto (detect the GPU): its recommended "
                "settings fill what other flags leave unset", "none"),
 )

@@ -12,6 +12,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "compressed-tensors")
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank's choices (vLLM's)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3fn, scale 1
+# structured outputs' grammar engine; auto: xgrammar, llguidance where xgrammar refuses a grammar (as vLLM's auto)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 @dataclass
@@ -60,6 +62,7 @@ class EngineConfig:
     max_loras: int = 1  # adapters resident on the device at once (and so in one batch)
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
     max_lora_rank: int = 16
+    structured_outputs_backend: str = "auto"
     profile: str | None = None  # a GPU profile (`vserve profiles list`) or auto: fills what flags leave unset
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -102,6 +105,8 @@ class EngineConfig:
             raise bad("kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {', '.join(LOAD_FORMATS)}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", ">= 1")
         if self.max_num_seqs < 1:

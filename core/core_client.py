@@ -76,7 +76,7 @@ class CoreLoop:
             elif kind == "abort":
                 core.abort_requests(arg)
             elif kind == "grammar_info":  # once, before the first structured request
-                core.structured.set_tokenizer_info(arg)
+                core.structured.set_tokenizer_info(*arg)
             elif kind == "forget_grammar":  # the front end dropped this compiled grammar
                 core.structured.forget(arg)
             elif kind == "load_lora":

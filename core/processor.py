@@ -92,7 +92,8 @@ class InputProcessor:
                 Path(config.tokenizer) if config.tokenizer else path, "hf" if config.tokenizer else fmt,
                 config.trust_remote_code)
         self.stop_token_ids = self._stop_token_ids(path if fmt != "gguf" else None)
-        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, self.stop_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, self.stop_token_ids,
+                                        backend=config.structured_outputs_backend)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:

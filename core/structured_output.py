@@ -1,11 +1,14 @@
-"""Structured outputs with xgrammar: what a request asks for, its compilation in the front end, its matcher in the core.
+"""Structured outputs: what a request asks for, its compilation in the front end, its matcher in the core.
 
-The front end (InputProcessor) compiles a request's grammar with the tokenizer it already holds, off the engine's
-critical path (the server does it on a worker thread), through a cache keyed by the grammar; a grammar that cannot
-compile is a ValueError (HTTP 400) with xgrammar's message. The request carries the compiled grammar, serialized, to
-the engine core, which keeps one GrammarMatcher per sequence: before each sampling the rows with a grammar get their
-allowed-token bitmask (filled on the host, applied on the device by kernels' apply_token_bitmask), and every sampled
-token advances the matcher. A sequence whose grammar is complete finishes with "stop".
+Two grammar engines (`--structured-outputs-backend`): xgrammar (the default) and llguidance ("guidance", installed
+with `pip install vserve[guidance]`); "auto" compiles with xgrammar and falls back to llguidance for a grammar
+xgrammar refuses (e.g. a regex with a Unicode class or a flag group). The front end (InputProcessor) compiles a
+request's grammar with the tokenizer it already holds, off the engine's critical path (the server does it on a
+worker thread), through a cache keyed by the grammar; a grammar that cannot compile is a ValueError (HTTP 400) with
+the compiler's message. The request carries the compiled grammar (xgrammar's serialized form, or llguidance's grammar
+text) to the engine core, which keeps one matcher per sequence: before each sampling the rows with a grammar get
+their allowed-token bitmask (filled on the host, applied on the device by kernels' apply_token_bitmask), and every
+sampled token advances the matcher. A sequence whose grammar is complete finishes with "stop".
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
+from copy import copy
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from vserve.core.config import STRUCTURED_OUTPUTS_BACKENDS
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +96,7 @@ class GrammarSpec:
     compiled: str | None
     think_end_id: int | None = None
     beam_prefix: tuple[int, ...] | None = None  # StructuredOutputsParams.beam_prefix
+    backend: str = "xgrammar"  # which engine compiled it: "xgrammar" or "guidance"
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -97,41 +104,88 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-class GrammarCompiler:
-    """The front end's compiler: the tokenizer's xgrammar TokenizerInfo (built at the first structured request) and
-    an LRU of compiled grammars by key. Thread-safe for the server's worker threads (xgrammar's compiler is)."""
+def _guidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("--structured-outputs-backend guidance needs llguidance: pip install 'vserve[guidance]'") \
+            from None
+    return llguidance
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_cached: int = 256) -> None:
+
+def guidance_tokenizer_json(tokenizer) -> str:
+    """The tokenizer as the tokenizers library serializes it (no padding or truncation), as llguidance reads it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("the guidance backend needs a fast (tokenizers) tokenizer")
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
+class GrammarCompiler:
+    """The front end's compiler: the tokenizer's grammar info per backend (built at the first structured request)
+    and an LRU of compiled grammars by key. Thread-safe for the server's worker threads (both compilers are)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_cached: int = 256,
+                 backend: str = "auto") -> None:
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"--structured-outputs-backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {backend!r}")
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
-        self.max_cached = max_cached
+        self.max_cached, self.backend = max_cached, backend
         self._info = None
         self._compiler = None
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._ll_tokenizer = None
+        self._ll_json: str | None = None
+        self._cache: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (backend, compiled)
         self._lock = threading.Lock()  # the server compiles on worker threads: the cache and first build under it
-        self._info_sent = False
+        self._info_sent: set[str] = set()  # the backends whose tokenizer info the core holds
         self._sent: OrderedDict[str, None] = OrderedDict()  # the keys the core holds, least recently used first
         self.compile_seconds: deque[float] = deque()  # each cache miss's compile time (the metrics pop them)
         self.num_requests = 0  # requests compiled for, cache hits included
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init)")
 
     def _ensure(self):
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                if self.tokenizer is None:
-                    raise ValueError("structured outputs need a tokenizer; this engine has none "
-                                     "(skip_tokenizer_init)")
+                self._check_tokenizer()
                 self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                  stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
         return self._compiler
 
+    def _ensure_guidance(self):
+        llg = _guidance()
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._check_tokenizer()
+                text = guidance_tokenizer_json(self.tokenizer)
+                self._ll_tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                     eos_token=self.stop_token_ids or None)
+                self._ll_json = text
+        return self._ll_tokenizer
+
     def tokenizer_info_json(self) -> str:
         self._ensure()
         return self._info.serialize_json()
 
+    def tokenizer_info(self, backend: str) -> tuple[str, Any]:
+        """What the core needs to build this backend's matchers: xgrammar's serialized TokenizerInfo, or the
+        tokenizer's JSON, the vocabulary size and the stop tokens for llguidance."""
+        if backend == "guidance":
+            self._ensure_guidance()
+            return backend, {"tokenizer": self._ll_json, "n_vocab": self.vocab_size, "eos": self.stop_token_ids}
+        return backend, self.tokenizer_info_json()
+
     def core_commands(self, children: list) -> tuple[list[tuple], list[tuple]]:
-        """The commands to send before and after these requests' "add": the tokenizer's info once; a grammar's
+        """The commands to send before and after these requests' "add": a backend's tokenizer info once; a grammar's
         compiled form goes with the first request of its key (later ones carry the key only) and the core is told
         to forget the least recently used key beyond max_cached. Called in send order, so the core holds what the
         front end believes it holds."""
@@ -141,9 +195,9 @@ class GrammarCompiler:
             spec = r.structured
             if spec is None:
                 continue
-            if not self._info_sent:
-                before.append(("grammar_info", self.tokenizer_info_json()))
-                self._info_sent = True
+            if spec.backend not in self._info_sent:
+                before.append(("grammar_info", self.tokenizer_info(spec.backend)))
+                self._info_sent.add(spec.backend)
             if spec.key in self._sent:
                 self._sent.move_to_end(spec.key)
                 r.structured = replace(spec, compiled=None)
@@ -157,24 +211,57 @@ class GrammarCompiler:
         key, think_end_id, prefix = params.key(), params.start_after_token_id, params.beam_prefix
         with self._lock:
             self.num_requests += 1
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-                return GrammarSpec(key, compiled, think_end_id, prefix)
-        compiler = self._ensure()
+                return GrammarSpec(key, hit[1], think_end_id, prefix, hit[0])
         t0 = time.perf_counter()
+        backend, compiled = self._compile_any(params)
+        self.compile_seconds.append(time.perf_counter() - t0)
+        with self._lock:
+            self._cache[key] = (backend, compiled)
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return GrammarSpec(key, compiled, think_end_id, prefix, backend)
+
+    def _compile_any(self, params: StructuredOutputsParams) -> tuple[str, str]:
+        """(backend, compiled) by the engine's backend; auto: xgrammar, else llguidance where xgrammar refuses the
+        grammar and llguidance (when installed) takes it; the error is xgrammar's when neither does."""
+        if self.backend == "guidance":
+            return "guidance", self._compile_guidance(params)
+        try:
+            return "xgrammar", self._compile_xgrammar(params)
+        except ValueError:
+            if self.backend == "xgrammar":
+                raise
+            try:
+                _guidance()
+                return "guidance", self._compile_guidance(params)
+            except ValueError:
+                pass
+            raise
+
+    def _compile_xgrammar(self, params: StructuredOutputsParams) -> str:
+        compiler = self._ensure()
         try:
             grammar = self._compile(compiler, params)
         except (RuntimeError, ValueError, TypeError) as e:
             msg = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # xgrammar's "[time] file.cc:line: " prefix
             raise ValueError(f"the {params.kind} structured output does not compile: {msg}") from None
-        self.compile_seconds.append(time.perf_counter() - t0)
-        compiled = grammar.serialize_json()
-        with self._lock:
-            self._cache[key] = compiled
-            if len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
-        return GrammarSpec(key, compiled, think_end_id, prefix)
+        return grammar.serialize_json()
+
+    def _compile_guidance(self, params: StructuredOutputsParams) -> str:
+        llg = _guidance()
+        tokenizer = self._ensure_guidance()
+        try:
+            grammar = guidance_grammar(llg, params)
+            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        except (AssertionError, RuntimeError, ValueError, TypeError) as e:
+            is_error, messages = True, [str(e)]
+        if is_error:
+            raise ValueError(f"the {params.kind} structured output does not compile (llguidance): "
+                             f"{messages[0].strip()}")
+        return grammar
 
     @staticmethod
     def _compile(compiler, p: StructuredOutputsParams):
@@ -217,24 +304,73 @@ def json_string_fix(grammar):
     return text.replace(_COUNTED_CHAR, _JSON_CHAR) if _COUNTED_CHAR in text else grammar
 
 
+# JSON's whitespace under llguidance: as under xgrammar, at most MAX_WHITESPACE characters between two elements
+_GUIDANCE_WS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
+
+
+def guidance_grammar(llg, p: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON text) of a request's structured output. Structural tags: the form with
+    "structures" (begin, schema, end) and "triggers", as vLLM's guidance backend takes them."""
+    ws = {"whitespace_flexible": False} if p.disable_any_whitespace else _GUIDANCE_WS
+    if p.json is not None or p.json_object:
+        schema = p.json if p.json is not None else {"type": "object"}
+        if isinstance(schema, str):
+            try:
+                json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the schema is not valid JSON: {e}") from None
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=ws)
+    if p.regex is not None:
+        return llg.LLMatcher.grammar_from_regex(p.regex)
+    if p.choice is not None:
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+    if p.grammar is not None:
+        return llg.grammar_from("grammar", p.grammar)  # Lark, or GBNF / EBNF (root ::= ...) converted to Lark
+    tag = json.loads(p.structural_tag) if isinstance(p.structural_tag, str) else p.structural_tag
+    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag.get("triggers"):
+        raise ValueError('the guidance backend takes structural tags as {"structures": [{"begin", "schema", '
+                         '"end"}, ...], "triggers": [...]}')
+    tags = []
+    for s in tag["structures"]:
+        trigger = next((t for t in tag["triggers"] if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"no trigger starts the structural tag's begin {s['begin']!r}")
+        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema", {}), end=s["end"]))
+    return llg.StructTag.to_grammar(tags)
+
+
 @dataclass
 class GrammarState:
-    """One sequence's matcher in the core; `active` turns on at think_end_id (reasoning models)."""
+    """One sequence's matcher in the core (xgrammar's GrammarMatcher or llguidance's LLMatcher); `active` turns on
+    at think_end_id (reasoning models)."""
 
     matcher: Any
     think_end_id: int | None = None
     active: bool = True
     allowed_logprobs: bool = False  # a beam search step's: top logprobs among the allowed tokens only
+    guidance: bool = False  # an llguidance matcher
+    # llguidance's: its tokenizer's stop tokens that this request does not stop on (ignore_eos), cleared from the
+    # mask, so the grammar ends the request where xgrammar's (built with the request's own stops) does
+    clear_tokens: tuple[int, ...] = ()
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; whether the grammar is now complete (the sequence stops)."""
         if not self.active:
             self.active = token == self.think_end_id
             return False
+        if self.guidance:
+            # stopped: complete, nothing but a stop token may follow
+            return not self.matcher.consume_token(token) or self.matcher.is_stopped()
         if not self.matcher.accept_token(token):
             # only a token the mask allowed is sampled; one that is not means the grammar cannot go on
             return True
         return self.matcher.is_terminated()
+
+    def has_mask(self) -> bool:
+        """Whether the next step's tokens are constrained: active and not ended (or in error)."""
+        if not self.active:
+            return False
+        return not self.matcher.is_error() if self.guidance else not self.matcher.is_terminated()
 
 
 def fill_threads() -> int:
@@ -254,14 +390,17 @@ def fill_threads() -> int:
 
 @dataclass
 class StructuredOutputManager:
-    """The core's side: deserialized grammars by key (those the front end sent and has not told it to forget), a
-    matcher per sequence, the step's bitmask."""
+    """The core's side: each backend's tokenizer info, the grammars by key (those the front end sent and has not
+    told it to forget), a matcher per sequence, the step's bitmask."""
 
     vocab_size: int
-    _info: Any = None
-    _grammars: dict = field(default_factory=dict)
+    _info: Any = None  # xgrammar's TokenizerInfo
+    _ll_tokenizer: Any = None  # llguidance's LLTokenizer
+    _ll_stops: tuple[int, ...] = ()  # its stop tokens
+    _grammars: dict = field(default_factory=dict)  # key -> xgrammar CompiledGrammar, or an llguidance LLMatcher
     _bitmask: Any = None  # a host torch.Tensor, grown as needed
     _batch: Any = None  # xgrammar's BatchGrammarMatcher: the rows' masks filled on several threads
+    _executor: Any = None  # llguidance's LLExecutor, likewise
     # host time the grammars cost the core (CoreStats.grammar): mask fills (once per step with a constrained row:
     # seconds, calls, rows) and matcher advances (seconds, tokens)
     fill_seconds: float = 0.0
@@ -281,32 +420,57 @@ class StructuredOutputManager:
         self.accept_tokens += 1
         return done
 
-    def set_tokenizer_info(self, info_json: str) -> None:
+    def set_tokenizer_info(self, backend: str, info: Any) -> None:
+        """GrammarCompiler.tokenizer_info's (backend, info)."""
+        if backend == "guidance":
+            import llguidance as llg
+
+            self._ll_tokenizer = llg.LLTokenizer(info["tokenizer"], n_vocab=info["n_vocab"],
+                                                 eos_token=info["eos"] or None)
+            self._ll_stops = tuple(info["eos"])
+            return
         import xgrammar as xgr
 
-        self._info = xgr.TokenizerInfo.deserialize_json(info_json)
+        self._info = xgr.TokenizerInfo.deserialize_json(info)
 
     def receive(self, spec: GrammarSpec) -> None:
-        """Keep the compiled grammar the first request of a key carries."""
+        """Keep the compiled grammar the first request of a key carries (llguidance's: a matcher at its start,
+        which each request's matcher copies: building one costs about a millisecond, a copy microseconds)."""
+        if spec.compiled is None:
+            return
+        if spec.backend == "guidance":
+            import llguidance as llg
+
+            if self._ll_tokenizer is None:
+                raise RuntimeError("a structured request reached the core before the tokenizer's grammar info")
+            matcher = llg.LLMatcher(self._ll_tokenizer, spec.compiled, log_level=0)
+            if matcher.is_error():
+                raise RuntimeError(f"llguidance refused a grammar the front end compiled: {matcher.get_error()}")
+            self._grammars[spec.key] = matcher
+            return
         import xgrammar as xgr
 
         if self._info is None:
             raise RuntimeError("a structured request reached the core before the tokenizer's grammar info")
-        if spec.compiled is not None:
-            self._grammars[spec.key] = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._info)
+        self._grammars[spec.key] = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._info)
 
     def new_state(self, spec: GrammarSpec, stop_token_ids: set[int]) -> GrammarState:
-        import xgrammar as xgr
-
         grammar = self._grammars.get(spec.key)
         if grammar is None:
             raise RuntimeError(f"the core holds no compiled grammar for key {spec.key[:80]!r}")
-        # the request's own stop tokens end the grammar (ignore_eos: none, so the grammar ends without one)
-        stops = sorted(stop_token_ids)
-        matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops or None,
-                                     terminate_without_stop_token=not stops)
-        state = GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None,
-                             allowed_logprobs=spec.beam_prefix is not None)
+        if spec.backend == "guidance":
+            state = GrammarState(grammar.deep_copy(), spec.think_end_id, active=spec.think_end_id is None,
+                                 allowed_logprobs=spec.beam_prefix is not None, guidance=True,
+                                 clear_tokens=tuple(t for t in self._ll_stops if t not in stop_token_ids))
+        else:
+            import xgrammar as xgr
+
+            # the request's own stop tokens end the grammar (ignore_eos: none, so the grammar ends without one)
+            stops = sorted(stop_token_ids)
+            matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops or None,
+                                         terminate_without_stop_token=not stops)
+            state = GrammarState(matcher, spec.think_end_id, active=spec.think_end_id is None,
+                                 allowed_logprobs=spec.beam_prefix is not None)
         for token in spec.beam_prefix or ():  # the beam's tokens (each one its mask allowed at its step)
             state.accept(token)
         return state
@@ -317,7 +481,7 @@ class StructuredOutputManager:
     def bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask of the rows whose grammar is active (host int32, one row each) and their row
         indices in the batch, or None when no row is constrained."""
-        rows = [i for i, s in enumerate(states) if s is not None and s.active and not s.matcher.is_terminated()]
+        rows = [i for i, s in enumerate(states) if s is not None and s.has_mask()]
         if not rows:
             return None
         import torch
@@ -328,16 +492,48 @@ class StructuredOutputManager:
             n = max(len(rows), 2 * (0 if self._bitmask is None else self._bitmask.shape[0]), 8)
             self._bitmask = torch.empty(n, words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         mask = self._bitmask[:len(rows)]
-        if len(rows) < 8:
-            for j, i in enumerate(rows):
-                states[i].matcher.fill_next_token_bitmask(mask, j)
-        else:  # a row's mask costs ~10 us (more at a JSON structure's edges): spread the rows over cores
-            if self._batch is None:
-                import xgrammar as xgr
-
-                self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
-            self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], mask)
+        guided = [j for j, i in enumerate(rows) if states[i].guidance]
+        if len(guided) < len(rows):
+            self._fill_xgrammar(mask, [states[i].matcher for i in rows], guided)
+        if guided:
+            self._fill_guidance(mask, [states[rows[j]] for j in guided], guided)
         self.fill_seconds += time.perf_counter() - t0
         self.fill_calls += 1
         self.fill_rows += len(rows)
         return mask, rows
+
+    def _fill_xgrammar(self, mask, matchers: list, skip: list[int]) -> None:
+        """The xgrammar rows' masks (every row but those in skip)."""
+        if skip:
+            left = set(skip)
+            at = [j for j in range(len(matchers)) if j not in left]
+            matchers = [matchers[j] for j in at]
+        else:
+            at = None
+        if len(matchers) < 8:
+            for j, m in enumerate(matchers):
+                m.fill_next_token_bitmask(mask, j if at is None else at[j])
+            return
+        # a row's mask costs ~10 us (more at a JSON structure's edges): spread the rows over cores
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
+        self._batch.batch_fill_next_token_bitmask(matchers, mask, indices=at)
+
+    def _fill_guidance(self, mask, states: list[GrammarState], at: list[int]) -> None:
+        """The llguidance rows' masks at rows `at`, on its executor's threads; then each row's cleared tokens."""
+        if self._executor is None:
+            import llguidance as llg
+
+            self._executor = llg.LLExecutor(num_threads=fill_threads())
+        row_bytes = mask.shape[1] * 4
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, j) for s, j in zip(states, at)], mask.data_ptr(),
+                                               row_bytes, mask.shape[0])
+        words = None
+        for s, j in zip(states, at):
+            if s.clear_tokens:
+                if words is None:
+                    words = mask.numpy().view("uint32")
+                for t in s.clear_tokens:
+                    words[j, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF

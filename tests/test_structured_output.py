@@ -151,7 +151,7 @@ def test_the_core_gets_each_compiled_grammar_once_and_forgets_what_the_front_end
         sent.append((before, req.structured, after))
         for kind, arg in before:
             assert kind == "grammar_info"
-            mgr.set_tokenizer_info(arg)
+            mgr.set_tokenizer_info(*arg)
         mgr.receive(req.structured)
         st = mgr.new_state(req.structured, {2})
         assert st.matcher.accept_string(params.regex[0] * 3)
@@ -170,14 +170,14 @@ def test_grammar_cache_compiles_once_and_bad_grammars_are_value_errors(default_m
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    gc = GrammarCompiler(tok, 49152, {2})
+    gc = GrammarCompiler(tok, 49152, {2})  # auto: these bad ones are bad for llguidance too (xgrammar's message)
     a = gc.compile(StructuredOutputsParams(json=PERSON))
     b = gc.compile(StructuredOutputsParams(json=json.dumps(PERSON, indent=2)))  # the same schema, as text
     c = gc.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True))  # another grammar
     assert b.compiled is a.compiled and c.key != a.key
     assert len(gc.compile_seconds) == 2 and gc.num_requests == 3
     for bad, msg in ((dict(json={"type": "objec"}), "Unsupported type"), (dict(regex="("), "not closed"),
-                     (dict(grammar='root ::= "a" |'), "EBNF"), (dict(json="{not json"), "not valid JSON")):
+                     (dict(grammar='root ::= "a" ('), "EBNF"), (dict(json="{not json"), "not valid JSON")):
         with pytest.raises(ValueError, match=msg):
             gc.compile(StructuredOutputsParams(**bad))
     with pytest.raises(ValueError, match="exactly one"):
@@ -212,7 +212,7 @@ def _person_core(model_dir):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     gc = GrammarCompiler(tok, 49152, {2})
     mgr = StructuredOutputManager(49152)
-    mgr.set_tokenizer_info(gc.tokenizer_info_json())
+    mgr.set_tokenizer_info(*gc.tokenizer_info("xgrammar"))
     spec = gc.compile(StructuredOutputsParams(json=PERSON))
     mgr.receive(spec)
     return tok, mgr, spec
