@@ -85,8 +85,9 @@ def test_constrained_request_survives_preemption_chunked_prefill_async_and_engin
     proc.llm_engine.shutdown()
 
 
-def test_choice_regex_and_grammar_offline_with_n(tiny):
-    llm = LLM(str(tiny), dtype="float32", device="cpu", max_model_len=256)
+@pytest.mark.parametrize("backend", ["auto", "guidance"])  # auto: xgrammar for these (llguidance: its own tests too)
+def test_choice_regex_and_grammar_offline_with_n(tiny, backend):
+    llm = LLM(str(tiny), dtype="float32", device="cpu", max_model_len=256, structured_outputs_backend=backend)
     tok = llm.get_tokenizer()
     choice = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=30,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "a \"quoted\" one"]))
@@ -100,7 +101,8 @@ def test_choice_regex_and_grammar_offline_with_n(tiny):
     assert all(o.finish_reason == "stop" for out in outs for o in out.outputs)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", outs[1].outputs[0].text)
     assert re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", outs[2].outputs[0].text)
-    # ignore_eos: the grammar ends the request without a stop token, so the token ids are exactly the text's
+    # ignore_eos: the grammar ends the request without a stop token (llguidance: the stop token is cleared from the
+    # mask), so the token ids are exactly the text's
     assert tok.decode(outs[1].outputs[0].token_ids) == outs[1].outputs[0].text
 
 
