@@ -332,23 +332,52 @@ def _sampling_inputs(B: int, V: int, dtype: torch.dtype, dev: str) -> tuple[torc
     return logits.to(dtype), u
 
 
+def _graph_replay(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn's output from a CUDA graph of one call, replayed once (fn has run eagerly: its kernels are compiled)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def _sampling_path(B: int, V: int, cfg: dict, dev: str) -> str:
+    """Which of sample_from_logits' paths cfg takes at [B, V]: split rows (chunks P, columns C) or not."""
+    from vserve.kernels import triton_sampling as tri
+
+    P, C = tri.split_plan(B, V, cfg.get("splits"), cfg.get("split_block", 1024), torch.device(dev))
+    return f"split P={P} C={C}" if P > 1 else "one program per row"
+
+
 def check_sampling(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[CheckRow]:
     """sample_from_logits against its reference on the same logits (in dtype, and in float32 as the engine
-    samples): the share of rows whose token differs, all of them CDF-boundary ties and none a masked token. The
-    torch err column is the share of rows where the reference itself differs from a float64 draw."""
+    samples), on both paths: split rows at batch 1 and 4 (the default there; forced on the tiny shapes), and at 256
+    rows the default (one program per row: more rows than SMs) and split in 2. The err column
+    is the share of rows whose token differs, all of them CDF-boundary ties and none a masked token; on CUDA a CUDA
+    graph of the call must replay the eager tokens. The torch err column is the share of rows where the reference
+    itself differs from a float64 draw."""
     from vserve.kernels import sampling_ref
     from vserve.kernels import triton_sampling as tri
 
-    B, rows = (5 if tiny else 256), []
-    for dt in dict.fromkeys((dtype, torch.float32)):
-        logits, u = _sampling_inputs(B, m.vocab, dt, dev)
-        got, ref = tri.sample_from_logits(logits, u), sampling_ref.sample_from_logits_ref(logits, u)
-        exact = sampling_ref.sample_from_logits_ref(logits.double(), u.double())
-        ties = sampling_ref.cdf_boundary_ties(logits, u, got, ref, SAMPLING_TIE_RTOL)
-        ok = bool(ties.all()) and bool(logits.gather(1, got.unsqueeze(1)).isfinite().all())
-        rows.append(CheckRow("sample_from_logits", f"{name} B={B} V={m.vocab}", str(dt).removeprefix("torch."),
-                             float((got != ref).float().mean()), ok, f"ties <= {SAMPLING_TIE_RTOL:.0e}·sum",
-                             float((ref != exact).float().mean())))
+    cases = ([(1, dict(splits=2, split_block=128)), (5, dict(splits=3, split_block=128)), (5, dict(splits=1))]
+             if tiny else [(1, {}), (4, {}), (256, {}), (256, dict(splits=2))])
+    graph = dev.startswith("cuda")
+    rows = []
+    for B, cfg in cases:
+        case = f"{name} B={B} V={m.vocab} {_sampling_path(B, m.vocab, cfg, dev)}"
+        for dt in dict.fromkeys((dtype, torch.float32)):
+            logits, u = _sampling_inputs(B, m.vocab, dt, dev)
+            draw = partial(tri.sample_from_logits, logits, u, **cfg)
+            got, ref = draw(), sampling_ref.sample_from_logits_ref(logits, u)
+            exact = sampling_ref.sample_from_logits_ref(logits.double(), u.double())
+            ties = sampling_ref.cdf_boundary_ties(logits, u, got, ref, SAMPLING_TIE_RTOL)
+            ok = bool(ties.all()) and bool(logits.gather(1, got.unsqueeze(1)).isfinite().all())
+            ok = ok and (not graph or torch.equal(_graph_replay(draw), got))
+            rows.append(CheckRow("sample_from_logits", case, str(dt).removeprefix("torch."),
+                                 float((got != ref).float().mean()), ok,
+                                 f"ties <= {SAMPLING_TIE_RTOL:.0e}·sum" + (", graph = eager" if graph else ""),
+                                 float((ref != exact).float().mean())))
     return rows
 
 
@@ -580,20 +609,27 @@ def _torch_sample(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def bench_sampling(name: str, m: ModelShape, dev: str, tiny: bool, sweep: bool) -> list[BenchRow]:
-    """sample_from_logits against the torch path on float32 logits (the engine's), GB/s of logits read once."""
+    """sample_from_logits against the torch path on float32 logits (the engine's), GB/s of logits read once: split
+    rows against one program per row at each batch size ("(default)" marks sample_from_logits' own choice), the
+    split path over whole CUDA graphs as the engine runs it (the note says eager if capture failed)."""
     from vserve.kernels import sampling_ref
     from vserve.kernels import triton_sampling as tri
 
     rows: list[BenchRow] = []
-    for B in (2,) if tiny else (1, 256):
+    for B in (2,) if tiny else (1, 4, 16, 64, 256):
         logits, u = _sampling_inputs(B, m.vocab, torch.float32, dev)
         case, nbytes = f"{name} B={B} V={m.vocab}", logits.numel() * logits.element_size()
-        configs = [{}]
+        auto = tri.split_plan(B, m.vocab, None, 1024, logits.device)[0]
+        configs = [dict(splits=1), dict(splits=2, split_block=128) if tiny else dict(splits=max(auto, 2))]
         if sweep:
-            configs += [dict(block=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+            configs += [dict(splits=1, block=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+            configs += [dict(splits=s, split_block=b, split_warps=w) for b in (512, 1024, 2048) for w in (4, 8)
+                        for s in sorted({max(auto // 2, 2), auto, 2 * auto})]
         for cfg in configs:
             fn = partial(tri.sample_from_logits, logits, u, **cfg)
-            _timed(rows, "sampling", case, f"triton {cfg or '(default)'}", fn, nbytes, "GB/s", dev)
+            default = " (default)" if cfg == {"splits": auto} else ""
+            _timed(rows, "sampling", case, f"triton {_sampling_path(B, m.vocab, cfg, dev)} {cfg}{default}", fn, nbytes,
+                   "GB/s", dev)
         _timed(rows, "sampling", case, "torch softmax+cumsum+searchsorted", partial(_torch_sample, logits, u), nbytes,
                "GB/s", dev)
         _timed(rows, "sampling", case, "torch reference (+ zero-mass rule)",

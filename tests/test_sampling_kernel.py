@@ -13,8 +13,14 @@ import torch  # noqa: E402
 from vserve.core import sampler as sampler_module  # noqa: E402
 from vserve.core.request import Request  # noqa: E402
 from vserve.core.sampling_params import SamplingParams  # noqa: E402
+from vserve.kernels import triton_sampling  # noqa: E402
 from vserve.kernels.sampling_ref import cdf_boundary_ties, sample_from_logits_ref  # noqa: E402
-from vserve.kernels.triton_sampling import sample_from_logits  # noqa: E402
+from vserve.kernels.triton_sampling import (  # noqa: E402
+    _chunk_partials_kernel,
+    _split_draw_kernel,
+    sample_from_logits,
+    split_plan,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")  # interpreter
 
@@ -97,8 +103,11 @@ def test_kernel_maps_evenly_spaced_u_onto_the_softmax_probabilities(seed):
     assert float((counts - expected).abs().max()) <= 2, (counts.tolist(), expected.tolist(), seed)
 
 
-@pytest.mark.parametrize("draw", [sample_from_logits_ref, lambda x, u: sample_from_logits(x, u, block=64)],
-                         ids=["reference", "kernel"])
+DRAWS = [sample_from_logits_ref, lambda x, u: sample_from_logits(x, u, block=64, splits=1),
+         lambda x, u: sample_from_logits(x, u, splits=3, split_block=64)]
+
+
+@pytest.mark.parametrize("draw", DRAWS, ids=["reference", "kernel", "split kernel"])
 def test_a_zero_mass_token_is_never_drawn(seed, draw):
     """The zero-mass rule: the last column with mass at or before the crossing. u near 1 gives the first column
     with mass; u = 0 (target = total) and a target above every prefix (what rounding can produce; u < 0 forces it)
@@ -118,6 +127,116 @@ def test_a_zero_mass_token_is_never_drawn(seed, draw):
 
     assert tokens[:5] == [100, 199, 199, 0, 250], seed
     assert tokens[5] == V - 2, seed
+
+
+# The split tests run rows in P chunks of C columns, C a multiple of the split block, V not a multiple of C.
+SPLIT_CASES = [(5003, 2, 256), (4999, 3, 512), (5000, 4, 256), (3000, 5, 128), (4097, 6, 256)]  # V, P, split block
+
+
+@pytest.mark.parametrize("draw", DRAWS, ids=["reference", "kernel", "split kernel"])
+def test_a_draw_skips_chunks_without_mass(seed, draw):
+    """Rows of V = 1200 in 5 chunks of 256 (the split kernel's) with whole chunks masked: mass 1 on each of
+    columns 0-255 and 768-1023, so every sum is exact. u = 0.5 puts the target on chunk 0's cumulative mass: its
+    last column; a step to either side draws that column or the first after the masked run, never one inside it.
+    u = 0 draws the last column with mass before the masked tail, u near 1 the first column; a lone finite logit in
+    the partial last chunk is always drawn; a row without mass gives 0."""
+    V = 1200
+    assert split_plan(1, V, 5, 64, torch.device("cpu")) == (5, 256)
+    logits = torch.full((7, V), NEG_INF, device=DEVICE)
+    logits[:5, :256] = 0.0
+    logits[:5, 768:1024] = 0.0
+    logits[5, 1100] = 3.0
+    u = torch.tensor([0.5, 0.5 - 2**-20, 0.5 + 2**-20, 0.0, 1 - 2**-24, 0.7, 0.3], device=DEVICE)
+
+    tokens = draw(logits, u).tolist()
+
+    assert tokens == [255, 768, 255, 1023, 0, 1100, 0], seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("V,P,split_block", SPLIT_CASES)
+def test_split_kernels_draw_the_reference_token(seed, dtype, V, P, split_block):
+    """Split rows (P = 2..6) of _random_rows' four kinds, the plain and the peaked row masked over a whole chunk and
+    halves of its neighbours (at P = 2 to the end of the row, so the plain row's u = 0 draws the last column before
+    it): the reference's token or a CDF-boundary tie, and the one-program kernel's up to a tie."""
+    P_got, C = split_plan(4, V, P, split_block, torch.device(DEVICE))
+    assert (P_got, V % C != 0) == (P, True)
+    logits, u = _random_rows(4, V, dtype)
+    logits[0::3, C // 2:2 * C + C // 2] = NEG_INF
+
+    got = sample_from_logits(logits, u, splits=P, split_block=split_block)
+
+    assert got.dtype == torch.int64 and got.shape == (4,)
+    _check_draws(logits, u, got, seed)
+    one = sample_from_logits(logits, u, splits=1)
+    ties = cdf_boundary_ties(logits, u, got, one, TIE_RTOL)
+    assert bool(ties.all()), f"split {got.tolist()} one program {one.tolist()} (torch.manual_seed({seed}))"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_kernels_at_a_chunk_boundary(seed, dtype):
+    """Targets on the float64 CDF where a masked run starts, V = 1000 in 4 chunks of 256: columns 250-261 across
+    the boundary at 256, and 512-773, chunk 2 whole and across 768. The 7 fp32 uniforms nearest each, so the chunk
+    partials' sums and the rescan round to either side of the target: the draw is the last column before the run or
+    the first after it, a tie with the reference and the one-program kernel, never a masked column."""
+    V, P, block = 1000, 4, 128
+    assert split_plan(1, V, P, block, torch.device("cpu")) == (P, 256)
+    row = torch.randn(V, device=DEVICE) * 2
+    for k in (1, 3):
+        row[k * 256 - 6:k * 256 + 6] = NEG_INF
+    row[512:768] = NEG_INF
+    row = row.to(dtype)
+    cdf = row.double().softmax(-1).cumsum(-1)
+    u = []
+    for run in (250, 512):  # the runs' first columns
+        u0 = torch.tensor(1 - float(cdf[run - 1]), device=DEVICE)
+        for _ in range(3):
+            u0 = torch.nextafter(u0, torch.tensor(0.0, device=DEVICE))
+        for _ in range(7):
+            u.append(u0)
+            u0 = torch.nextafter(u0, torch.tensor(1.0, device=DEVICE))
+    u = torch.stack(u).float()
+    logits = row.expand(len(u), V)
+
+    got = sample_from_logits(logits, u, splits=P, split_block=block)
+
+    _check_draws(logits, u, got, seed)
+    one = sample_from_logits(logits, u, splits=1)
+    ties = cdf_boundary_ties(logits, u, got, one, TIE_RTOL)
+    assert bool(ties.all()), f"split {got.tolist()} one program {one.tolist()} (torch.manual_seed({seed}))"
+
+
+def test_split_walk_goes_on_where_the_rescan_does_not_cross():
+    """Kernel B on partials that put chunk 0's mass at 130 where its rescan sums to 128 (rounding's effect, made
+    large): at a target of 128.5 the crossing chunk is 0, its rescan does not cross, and the walk goes on over the
+    masked chunk 1 and the masked head of chunk 2 to the first column with mass, 266. At u = 0 the target is the
+    partials' total, above every rescanned prefix: the last column with mass, 499 (chunk 3 masked from 500)."""
+    V, C, block = 512, 128, 64
+    logits = torch.zeros(2, V, device=DEVICE)
+    logits[:, C:2 * C + 10] = NEG_INF
+    logits[:, 500:] = NEG_INF
+    part = torch.empty(2, 4, 2, device=DEVICE)
+    _chunk_partials_kernel[(2, 4)](logits, part, V, V, C, BLOCK=block)
+    assert part.tolist() == [[[0.0, 128.0], [NEG_INF, 0.0], [0.0, 118.0], [0.0, 116.0]]] * 2
+    part[:, 0, 1] = 130.0
+    u = torch.tensor([1 - 128.5 / 364, 0.0], device=DEVICE)
+    out = torch.empty(2, dtype=torch.int64, device=DEVICE)
+
+    _split_draw_kernel[(2,)](logits, u, part, out, V, V, 4, C, BLOCK=block, P_BLOCK=4)
+
+    assert out.tolist() == [266, 499]
+
+
+def test_split_plan_follows_batch_size_and_sm_count(monkeypatch):
+    """Automatic splits on a 132-SM GPU over llama3's vocabulary: chunks of MIN_CHUNK at batch 1 and 4, fewer and
+    longer chunks up the batch so (row, chunk) programs fill twice the SMs, one program per row from one row per SM
+    on and off CUDA."""
+    monkeypatch.setattr(triton_sampling, "_num_sms", lambda device: 132)
+    cuda, V = torch.device("cuda"), 128256
+    plans = {B: split_plan(B, V, None, 1024, cuda) for B in (1, 4, 16, 64, 131)}
+    assert plans == {1: (63, 2048), 4: (63, 2048), 16: (16, 8192), 64: (5, 26624), 131: (3, 43008)}
+    assert split_plan(132, V, None, 1024, cuda)[0] == split_plan(256, V, None, 1024, cuda)[0] == 1
+    assert split_plan(1, V, None, 1024, torch.device("cpu")) == (1, V)
 
 
 def _req(**sp) -> Request:

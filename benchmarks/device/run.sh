@@ -11,6 +11,8 @@
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25), then ROWS
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
+#   samp  the sampling kernels (#24's batch 1): the split path's check and bench (with --sweep's launches) on the 8B's
+#         128,256-token vocabulary, then ROWS (default: 8b_bs1)
 #   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
 #         time (#24's batch-1 row), then ROWS if given
 # MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE, and a ROWS given applies to every one.
@@ -68,6 +70,21 @@ fam)  # #25's fp32 greedy check of the Gemma-2-9B and Phi-3-mini shapes against 
   timeout "${FAM_S:-400}" python3 benchmarks/h200_engine.py --sections correct32 --shapes gemma2_9b,phi3_mini \
     --out "$OUT" > "$OUT/fam_correct32.log" 2>&1
   [ -n "${ROWS:-}" ] && rows "" ;;
+samp)
+  timeout 240 python3 - "$OUT/sampling.md" > "$OUT/sampling.log" 2>&1 <<'PY'
+import sys
+import torch
+from vserve.kernels import gpu_check as g
+m = g.MODELS["llama3-8b"]
+checks = g.check_sampling("llama3-8b", m, torch.bfloat16, "cuda", False)
+bench = g.bench_sampling("llama3-8b", m, "cuda", False, True)
+text = (f"# sampling kernels on {torch.cuda.get_device_name()}\n\n## check ({sum(r.ok for r in checks)}/{len(checks)})\n\n"
+        + g.format_table(g.CHECK_HEADER, [r.cells() for r in checks]) + "\n\n## bench\n\n"
+        + g.format_table(g.BENCH_HEADER, [r.cells() for r in bench]) + "\n")
+open(sys.argv[1], "w").write(text)
+print(text)
+PY
+  rows 8b_bs1 ;;
 bs1)
   timeout 150 python3 benchmarks/engine_host_profile.py 8b 0 40 --requests 1 --torch-profile "$OUT/tp" \
     > "$OUT/bs1prof.txt" 2>&1
