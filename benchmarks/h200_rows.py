@@ -31,7 +31,8 @@ Every row: random weights (--load-format dummy, bf16), prompts of random token i
 - structured (not run unless named): the 8B body with SmolLM2's vocabulary and tokenizer (VSERVE_BENCH_TOKENIZER),
   256 requests U[100,1024] -> 512 new tokens, unconstrained and under a JSON schema of one free string (a request
   ends when its string closes): the ratio of output tokens/s is #29's 0.9x goal's; each JSON row also reports the
-  compile times and the core's bitmask fill and matcher time per step.
+  compile times and the core's bitmask fill and matcher time per step; 8b_sv_512_json_guidance: the same under
+  --structured-outputs-backend guidance (llguidance, carried by fetch_wheels.sh).
 - lora (not run unless named): the 8B 512-token row without LoRA and with 1, 8 and 32 distinct rank-16 adapters on
   q/k/v/o/gate/up/down round-robin over the requests; batch 1 without and with one adapter; 5 resident adapters'
   slot bytes against the weights (issue #28's acceptance 4).
@@ -169,7 +170,10 @@ def rows(z: Sizes) -> list[Row]:
     # closes it (random weights: after ~100-200 tokens), so the ratio compares tokens/s of what was generated
     out += [Row("structured", "8b_sv_512", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens)),
             Row("structured", "8b_sv_512_json", "8b_sv", throughput(z.num_prompts, z.input_len, z.new_tokens,
-                                                                    "--json-schema", str(ANSWER_SCHEMA)))]
+                                                                    "--json-schema", str(ANSWER_SCHEMA))),
+            Row("structured", "8b_sv_512_json_guidance", "8b_sv", throughput(
+                z.num_prompts, z.input_len, z.new_tokens, "--json-schema", str(ANSWER_SCHEMA),
+                "--structured-outputs-backend", "guidance"))]
     # multi-LoRA (#28): rank-16 adapters on q/k/v/o/gate/up/down, spread round-robin over the requests; the base
     # rows run in the same call; the memory row holds 5 adapters resident (its report's memory.lora_slot_bytes)
     lora = ["--lora-rank", "16"]
@@ -253,8 +257,9 @@ def ratios(res: dict) -> dict:
                 out[f"w4_{size}_{q}_over_bf16"] = tok_s(f"w4_{size}_{q}") / tok_s(f"w4_{size}_bf16")
     if tok_s("8b_512_half_pen_lp") and tok_s("8b_512"):
         out["half_pen_lp_over_plain"] = tok_s("8b_512_half_pen_lp") / tok_s("8b_512")
-    if tok_s("8b_sv_512_json") and tok_s("8b_sv_512"):
-        out["json_schema_over_plain"] = tok_s("8b_sv_512_json") / tok_s("8b_sv_512")
+    for name in ("8b_sv_512_json", "8b_sv_512_json_guidance"):
+        if tok_s(name) and tok_s("8b_sv_512"):
+            out[name.replace("8b_sv_512_json", "json_schema") + "_over_plain"] = tok_s(name) / tok_s("8b_sv_512")
     for n in ("1", "8", "32"):
         if tok_s(f"lora_8b_512_n{n}") and tok_s("lora_8b_512_base"):
             out[f"lora_n{n}_over_base"] = tok_s(f"lora_8b_512_n{n}") / tok_s("lora_8b_512_base")

@@ -6,10 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .whl .whl/smoltok
-P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_31_x86_64
+   --platform manylinux_2_28_x86_64
    --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl"
 for pkg in fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection typing_extensions \
-           annotated-doc opentelemetry-api sniffio xgrammar apache-tvm-ffi gguf; do
+           annotated-doc opentelemetry-api sniffio xgrammar apache-tvm-ffi gguf llguidance; do
   v=$(.venv/bin/pip show "$pkg" 2>/dev/null | awk '/^Version/{print $2}')  # the versions the tests run with
   python3 -m pip download -q $P "$pkg${v:+==$v}" 2>&1 | grep -v "^WARNING" || true
 done

@@ -5,7 +5,7 @@
 #   lora  the LoRA kernels' bf16 check and bench (gpu_check's check_lora / bench_lora), then ROWS (default: #28's,
 #         the 0.8x goal's pair first)
 #   sv    grammar_fill.py (the bitmask fill and matcher advance on this host's cores), then the structured rows
-#         (#29: unconstrained and JSON, SmolLM2's tokenizer) under the step trace, or ROWS
+#         (#29: unconstrained, JSON, JSON under llguidance; SmolLM2's tokenizer) under the step trace, or ROWS
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
@@ -55,7 +55,7 @@ sv)  # under the step trace: each engine run's step interval, device wait and ho
   timeout 100 python3 benchmarks/grammar_fill.py --tokenizer .whl/smoltok --out "$OUT" > "$OUT/grammar_fill.log" 2>&1
   mkdir -p "$OUT/trace"
   VSERVE_STEP_TRACE_DIR="$OUT/trace" PYTHONPATH="benchmarks/steptrace:$PYTHONPATH" \
-    VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json
+    VSERVE_BENCH_TOKENIZER=.whl/smoltok rows 8b_sv_512,8b_sv_512_json,8b_sv_512_json_guidance
   python3 benchmarks/steptrace/analyze.py "$OUT/trace" --all-runs > "$OUT/trace_summary.txt" 2>&1
   tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace" ;;
 moe)
