@@ -102,6 +102,11 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager and getattr(model, "cuda_graphs", True):
             with startup.phase("cuda graphs"):
                 self.capture_graphs(graph_batch_sizes(max_num_seqs))
+        if device.type == "cuda":  # the sampling kernels' variants, compiled before the first request (not in a step)
+            from vserve.kernels.triton_sampling import warm_up as warm_up_sampling
+
+            with startup.phase("sampling kernels"):
+                warm_up_sampling(model_config.vocab_size, device)
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []

@@ -81,7 +81,7 @@ def _sample_kernel(logits_ptr, u_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, _draw(x_row, start, V, row_max, target, running, BLOCK).to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])  # C and P vary with the batch size: one compiled variant serves every B
 def _chunk_partials_kernel(logits_ptr, part_ptr, V, stride, C, BLOCK: tl.constexpr):
     """Split kernel A, program (row, p): columns [p * C, min((p + 1) * C, V)) -> part[row, p] = (max, sum of
     exp(x - max)); (-inf, 0) for a chunk without a finite logit."""
@@ -94,7 +94,7 @@ def _chunk_partials_kernel(logits_ptr, part_ptr, V, stride, C, BLOCK: tl.constex
     tl.store(out + 1, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "C"])
 def _split_draw_kernel(logits_ptr, u_ptr, part_ptr, out_ptr, V, stride, P, C, BLOCK: tl.constexpr,
                        P_BLOCK: tl.constexpr):
     """Split kernel B, one program per row: the row's max and total from its P chunk partials, then the walk from
@@ -160,9 +160,23 @@ def sample_from_logits(logits: torch.Tensor, u: torch.Tensor, *, block: int = 40
         return out
     part = torch.empty(B, P, 2, dtype=torch.float32, device=logits.device)
     _chunk_partials_kernel[(B, P)](logits, part, V, logits.stride(0), C, BLOCK=split_block, num_warps=split_warps)
+    # P_BLOCK from V alone (P <= cdiv(V, split_block)), not from P, so no batch size compiles a variant of its own
     _split_draw_kernel[(B,)](logits, u, part, out, V, logits.stride(0), P, C, BLOCK=split_block,
-                             P_BLOCK=triton.next_power_of_2(P), num_warps=split_warps)
+                             P_BLOCK=triton.next_power_of_2(triton.cdiv(V, split_block)), num_warps=split_warps)
     return out
+
+
+def warm_up(vocab_size: int, device: torch.device) -> None:
+    """Compile (or load from Triton's cache) every sampling kernel a step can launch on a [B, vocab_size] float32
+    batch, before the first request: the split path (B below one row per SM), the one-program path and the
+    structured-output bitmask. Otherwise each compiles in the first step that needs it (~1 s on an empty cache)."""
+    rows = _num_sms(device)
+    logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+    u = torch.zeros(rows, dtype=torch.float32, device=device)
+    for b in (1, rows):
+        sample_from_logits(logits[:b], u[:b])
+    apply_token_bitmask(logits, torch.full((1, triton.cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device),
+                        torch.zeros(1, dtype=torch.long, device=device))
 
 
 @triton.jit

@@ -304,3 +304,17 @@ def test_token_bitmask_kernel_equals_reference_on_random_logits(dtype):
     apply_token_bitmask(got, bitmask.to(DEVICE), torch.tensor(rows, device=DEVICE), block=256)
     assert torch.equal(got.cpu(), want), seed
     assert torch.equal(got.cpu()[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])  # other rows untouched
+
+
+def test_warm_up_launches_both_draw_paths_and_the_bitmask(monkeypatch):
+    """triton_sampling.warm_up (the engine's start on CUDA): a draw at batch 1 (the split path) and at one row per SM
+    (the one-program path), and one bitmask over the vocabulary, so no step compiles a sampling kernel."""
+    monkeypatch.setattr(triton_sampling, "_num_sms", lambda device: 132)
+    calls = []
+    monkeypatch.setattr(triton_sampling, "sample_from_logits", lambda logits, u: calls.append(("draw", *logits.shape)))
+    monkeypatch.setattr(triton_sampling, "apply_token_bitmask",
+                        lambda logits, mask, rows: calls.append(("mask", *mask.shape, rows.tolist())))
+    triton_sampling.warm_up(1000, torch.device("cpu"))
+    assert calls == [("draw", 1, 1000), ("draw", 132, 1000), ("mask", 1, 32, [0])]
+    cuda = torch.device("cuda")
+    assert split_plan(1, 1000 * 128, None, 1024, cuda)[0] > 1 and split_plan(132, 128000, None, 1024, cuda)[0] == 1
