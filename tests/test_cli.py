@@ -61,6 +61,13 @@ def test_bad_block_size_exits_2_with_one_error_line():
     assert res.stdout == ""
 
 
+def test_unknown_structured_outputs_backend_exits_2_with_one_error_line():
+    res = invoke("generate", "hi", "--structured-outputs-backend", "outlines")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == ["error: --structured-outputs-backend must be one of auto, xgrammar, guidance, "
+                                       "got 'outlines'"]
+
+
 def test_nonexistent_model_exits_2_with_one_error_line(tmp_path):
     missing = tmp_path / "no-such-model"
     res = invoke("generate", "hi", "--model", str(missing))
