@@ -172,17 +172,14 @@ class GrammarCompiler:
                 self._ll_json = text
         return self._ll_tokenizer
 
-    def tokenizer_info_json(self) -> str:
-        self._ensure()
-        return self._info.serialize_json()
-
     def tokenizer_info(self, backend: str) -> tuple[str, Any]:
         """What the core needs to build this backend's matchers: xgrammar's serialized TokenizerInfo, or the
         tokenizer's JSON, the vocabulary size and the stop tokens for llguidance."""
         if backend == "guidance":
             self._ensure_guidance()
             return backend, {"tokenizer": self._ll_json, "n_vocab": self.vocab_size, "eos": self.stop_token_ids}
-        return backend, self.tokenizer_info_json()
+        self._ensure()
+        return backend, self._info.serialize_json()
 
     def core_commands(self, children: list) -> tuple[list[tuple], list[tuple]]:
         """The commands to send before and after these requests' "add": a backend's tokenizer info once; a grammar's
@@ -256,8 +253,8 @@ class GrammarCompiler:
         try:
             grammar = guidance_grammar(llg, params)
             is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        except (AssertionError, RuntimeError, ValueError, TypeError) as e:
-            is_error, messages = True, [str(e)]
+        except (AssertionError, KeyError, RuntimeError, ValueError, TypeError) as e:  # KeyError: a tag's missing key
+            is_error, messages = True, [f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)]
         if is_error:
             raise ValueError(f"the {params.kind} structured output does not compile (llguidance): "
                              f"{messages[0].strip()}")

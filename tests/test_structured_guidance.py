@@ -117,13 +117,17 @@ def test_auto_falls_back_to_guidance_where_xgrammar_refuses(tiny, default_model_
     with pytest.raises(ValueError, match="does not compile: .*Backreference"):
         GrammarCompiler(tok, 49152, {2}).compile(StructuredOutputsParams(regex=r"(a)\1"))
 
+    # one batch of both engines' rows: 8 xgrammar rows (its batch matcher, at the rows between) and 2 llguidance ones
     llm = LLM(str(tiny), dtype="float32", device="cpu", max_model_len=256)  # auto, the default
-    outs = llm.generate([[5, 6, 7]] * 2, [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=20, structured_outputs=insensitive) for s in (1, 2)],
-        use_tqdm=False)
-    for out in outs:
-        assert out.outputs[0].finish_reason == "stop"
-        assert re.fullmatch(r"(?i)(yes|no)", out.outputs[0].text), out.outputs[0].text
+    digits = SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{2,4}"))
+    outs = llm.generate([[5, 6, 7]] * 3, [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=insensitive), digits,
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs=insensitive)], use_tqdm=False)
+    for out, pattern in zip(outs, (r"(?i)(yes|no)", "[0-9]{2,4}", r"(?i)(yes|no)")):
+        for o in out.outputs:
+            assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), (pattern, o.text)
+    assert len(outs[1].outputs) == 8
 
 
 def test_guidance_errors_name_the_problem(default_model_dir):
@@ -136,6 +140,8 @@ def test_guidance_errors_name_the_problem(default_model_dir):
         gc.compile(StructuredOutputsParams(json={"type": "string", "not": {"const": "a"}}))
     with pytest.raises(ValueError, match="schema is not valid JSON"):
         gc.compile(StructuredOutputsParams(json='{"type": '))
+    with pytest.raises(ValueError, match="KeyError: 'end'"):  # a 400 naming the missing key, not a 500
+        gc.compile(StructuredOutputsParams(structural_tag={"structures": [{"begin": "<a>"}], "triggers": ["<a"]}))
     with pytest.raises(ValueError, match="structural tags as"):
         gc.compile(StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {}}))
     with pytest.raises(ValueError, match="--structured-outputs-backend must be one of auto, xgrammar, guidance"):
