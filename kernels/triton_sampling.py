@@ -16,7 +16,8 @@ by sample_from_logits:
 Both match sample_from_logits_ref (kernels/sampling_ref.py) token for token, up to float summation order at an
 exact CDF boundary; the zero-mass rule (never a token with probability 0) is the reference's. Math is fp32;
 logits fp32/fp16/bf16 with a unit stride along the vocabulary. Nothing is read back to the host, so both paths
-can be captured in a CUDA graph.
+can be captured in a CUDA graph; the split kernels compile once for every batch size, and warm_up compiles them all at
+the engine's start.
 """
 
 from __future__ import annotations
