@@ -490,23 +490,21 @@ class StructuredOutputManager:
             self._bitmask = torch.empty(n, words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         mask = self._bitmask[:len(rows)]
         guided = [j for j, i in enumerate(rows) if states[i].guidance]
-        if len(guided) < len(rows):
-            self._fill_xgrammar(mask, [states[i].matcher for i in rows], guided)
-        if guided:
+        if not guided:
+            self._fill_xgrammar(mask, [states[i].matcher for i in rows], None)
+        else:
+            left = set(guided)
+            at = [j for j in range(len(rows)) if j not in left]
+            if at:
+                self._fill_xgrammar(mask, [states[rows[j]].matcher for j in at], at)
             self._fill_guidance(mask, [states[rows[j]] for j in guided], guided)
         self.fill_seconds += time.perf_counter() - t0
         self.fill_calls += 1
         self.fill_rows += len(rows)
         return mask, rows
 
-    def _fill_xgrammar(self, mask, matchers: list, skip: list[int]) -> None:
-        """The xgrammar rows' masks (every row but those in skip)."""
-        if skip:
-            left = set(skip)
-            at = [j for j in range(len(matchers)) if j not in left]
-            matchers = [matchers[j] for j in at]
-        else:
-            at = None
+    def _fill_xgrammar(self, mask, matchers: list, at: list[int] | None) -> None:
+        """The xgrammar matchers' masks at mask rows `at` (None: rows 0, 1, ...)."""
         if len(matchers) < 8:
             for j, m in enumerate(matchers):
                 m.fill_next_token_bitmask(mask, j if at is None else at[j])
