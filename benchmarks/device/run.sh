@@ -9,7 +9,8 @@
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
-#   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25), then ROWS
+#   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
+#         to name others), then ROWS
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 #   samp  the sampling kernels (#24's batch 1): the split path's check and bench (with --sweep's launches) on the 8B's
 #         128,256-token vocabulary, then ROWS (default: 8b_bs1)
@@ -67,7 +68,7 @@ w4)
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/
   rows w4_bs1_bf16,w4_bs1_awq,w4_256_bf16,w4_256_awq ;;
 fam)  # #25's fp32 greedy check of the Gemma-2-9B and Phi-3-mini shapes against HF, then ROWS if given
-  timeout "${FAM_S:-400}" python3 benchmarks/h200_engine.py --sections correct32 --shapes gemma2_9b,phi3_mini \
+  timeout "${FAM_S:-400}" python3 benchmarks/h200_engine.py --sections correct32 --shapes "${FAM_SHAPES:-gemma2_9b,phi3_mini}" \
     --out "$OUT" > "$OUT/fam_correct32.log" 2>&1
   [ -n "${ROWS:-}" ] && rows "" ;;
 samp)
