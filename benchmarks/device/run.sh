@@ -14,6 +14,8 @@
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 #   samp  the sampling kernels (#24's batch 1): the split path's check and bench (with --sweep's launches) on the 8B's
 #         128,256-token vocabulary, then ROWS (default: 8b_bs1)
+#   goals the H200 rows an issue still waits on, shortest first: 8b_bs1 (#24), the JSON row with SmolLM2's tokenizer
+#         (#29), then fam's float32 check (#25; FAM_S, FAM_SHAPES), then ROWS if given
 #   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
 #         time (#24's batch-1 row), then ROWS if given
 # MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE, and a ROWS given applies to every one.
@@ -91,6 +93,12 @@ bs1)
     > "$OUT/bs1prof.txt" 2>&1
   gzip -f "$OUT/tp/trace.json"
   [ -n "${ROWS:-}" ] && rows "" ;;
+goals)
+  top=$OUT; mkdir -p "$top/bs1" "$top/json" "$top/fam"
+  OUT=$top/bs1 ROWS=8b_bs1 ROWS_S=60 rows ""
+  OUT=$top/json VSERVE_BENCH_TOKENIZER=.whl/smoltok ROWS=8b_sv_512_json ROWS_S=80 rows ""
+  OUT=$top/fam bash "$0" fam
+  ;;
 rows)
   rows "" ;;
 esac
