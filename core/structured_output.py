@@ -231,8 +231,7 @@ class GrammarCompiler:
         except ValueError:
             if self.backend == "xgrammar":
                 raise
-            try:
-                _guidance()
+            try:  # a ValueError too where llguidance is not installed
                 return "guidance", self._compile_guidance(params)
             except ValueError:
                 pass
@@ -493,8 +492,7 @@ class StructuredOutputManager:
         if not guided:
             self._fill_xgrammar(mask, [states[i].matcher for i in rows], None)
         else:
-            left = set(guided)
-            at = [j for j in range(len(rows)) if j not in left]
+            at = [j for j, i in enumerate(rows) if not states[i].guidance]
             if at:
                 self._fill_xgrammar(mask, [states[rows[j]].matcher for j in at], at)
             self._fill_guidance(mask, [states[rows[j]] for j in guided], guided)
