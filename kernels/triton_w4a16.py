@@ -636,7 +636,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                num_warps: int | None = None, num_stages: int | None = None, dequant_m: int | None = None,
                gemv_m: int = AWQ_GEMV_M, exact: bool = AWQ_EXACT, out: torch.Tensor | None = None,
                fixup: bool = True, fixup_unroll: int = AWQ_FIXUP_UNROLL, path: str | None = None,
-               scale_a: bool | None = None) -> torch.Tensor:
+               scale_a: bool | None = None, wide: bool | None = None) -> torch.Tensor:
     """As w4a16_gemm_ref: x [..., K] -> [..., N] in x's dtype. Keywords override the launch parameters, the rows
     from which the weight is dequantized for cuBLAS (dequant_m; default DEQUANT_M, DEQUANT_M_WIDE for N >= WIDE_N),
     the most AWQ rows that take the GEMV (gemv_m), and whether the tile kernel's AWQ path dots the exact codes
@@ -645,10 +645,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     fixup_unroll at a time (the AWQ GEMV). Without dequant_m and path, the dispatch table (kernels/w4a16_configs.json)
     picks the path for M rows; path forces one ("auto", "fused", "dequant"; for layout "tc": "tc", "dequant").
     Layout "tc" (kernels/w4a16_repack.py; g_idx: act-order's K permutation): the tensor-core kernel with the table's
-    launch config, the keywords block_n, block_m, split_k, num_warps, num_stages, scale_a overriding it."""
+    launch config, the keywords block_n, block_m, split_k, num_warps, num_stages, scale_a, wide overriding it."""
     if layout == "tc":
         launch = dict(block_n=block_n, block_m=block_m, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
-                      scale_a=scale_a)
+                      scale_a=scale_a, wide=wide)
         return _tc(x, qweight, scales, qzeros, g_idx, group_size, out, path, dequant_m, fixup,
                    {k: v for k, v in launch.items() if v is not None})
     K, N = _shape(qweight, scales, layout, bits)

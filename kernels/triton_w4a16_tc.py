@@ -96,12 +96,20 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
     return tl.full(n.shape, 8, tl.int32)
 
 
+@triton.jit
+def _tc_cat(a, b):
+    """[R, W] and [R, W] -> [R, 2 W], a's columns first. join puts the pair in a thread's registers; with the fields
+    of one word in one thread's registers (the unpack), the result is the dot operand's layout for the wider K with
+    no data crossing threads."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
 @triton.jit(do_not_specialize=["M"])  # the row count changes every step: one compiled variant per launch config
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, tiles_per_split, n_split,
                stride_xm, stride_qn, stride_sg, stride_zg, stride_om, stride_pk, GROUP: tl.constexpr,
                MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                SCALE_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, WIDE: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] W[n, k] for a [BLOCK_N, BLOCK_M] tile of y^T and the 128-wide K tiles of one split.
     GROUP: the group size (a constexpr: no integer division in the loop); a group segment is SEG 16-wide K slices
     (8: groups of 128 or more, one segment a tile; 1, 2, 4: groups of 16, 32, 64). EVEN_K: 128 divides K (no masks
@@ -110,7 +118,10 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
     dot sums exact products; a second accumulator). MODE 0: one split, written to out; 1: fp32 partials to part_ptr
     [n_split, M, N], the last program of the output tile (an atomic count in lock_ptr, reset after) sums them in
     split order into out; 2: partials only (the caller sums them). PDL: launched as a programmatic dependent launch
-    (triton_ops.pdl_enter: in a batch-1 decode graph the programs are resident when the kernel before ends)."""
+    (triton_ops.pdl_enter: in a batch-1 decode graph the programs are resident when the kernel before ends).
+    WIDE (groups of 128 or more): the tile's 8 fields joined into one [BLOCK_N, 128] operand and one dot with K = 128
+    (x^T's 128 rows one load): on sm_90 one chain of wgmma instructions and one wait a tile, where 8 dots of K = 16
+    wait after each."""
     pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     SEG: tl.constexpr = 8 if GROUP >= 128 else GROUP // 16
@@ -130,9 +141,10 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
             c = _tc_codes(w, z[:, None], s.to(DT)[:, None], DT, ASM, SCALE_A)
         else:  # smaller groups: each slice's zeros (and scales) are applied after it
             c = _tc_codes(w, tl.zeros((BLOCK_N, 1), dtype=tl.int32), 1.0, DT, ASM, False)
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for j in tl.static_range(8):
-            k = t * 128 + j * 16 + i16
+        if WIDE and SEG == 8:
+            a = _tc_cat(_tc_cat(_tc_cat(c[0], c[1]), _tc_cat(c[2], c[3])),
+                        _tc_cat(_tc_cat(c[4], c[5]), _tc_cat(c[6], c[7])))
+            k = t * 128 + tl.arange(0, 128)
             if HAS_PERM and EVEN_K:
                 kx = tl.load(perm_ptr + k)
             elif HAS_PERM:
@@ -144,23 +156,44 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
             else:
                 xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :] & (k < K)[:, None],
                              other=0.0)
-            a = c[j]
-            if SEG < 8:
-                if j % SEG == 0:
-                    g = (t * 128 + j * 16) // GROUP
-                    zs = _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS).to(DT)[:, None]
-                    ss = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                a = a - zs
-                if SCALE_A:
-                    a = (a.to(tl.float32) * ss).to(DT)
             if SCALE_A:
                 acc = tl.dot(a, xt, acc, input_precision="ieee" if DT == tl.float32 else None)
             else:
-                part = tl.dot(a, xt, part, input_precision="ieee" if DT == tl.float32 else None)
-                if (j + 1) % SEG == 0:  # the segment's group: its scales, once per output, on the fp32 sums
-                    sp = tl.load(s_ptr + ((t * 128 + j * 16) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
-                    acc += part * sp.to(tl.float32)[:, None]
-                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                sp = tl.load(s_ptr + ((t * 128) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+                acc += tl.dot(a, xt, input_precision="ieee" if DT == tl.float32 else None) * \
+                    sp.to(tl.float32)[:, None]
+        else:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for j in tl.static_range(8):
+                k = t * 128 + j * 16 + i16
+                if HAS_PERM and EVEN_K:
+                    kx = tl.load(perm_ptr + k)
+                elif HAS_PERM:
+                    kx = tl.load(perm_ptr + k, mask=k < K, other=0)
+                else:
+                    kx = k
+                if EVEN_K:
+                    xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :], other=0.0)
+                else:
+                    xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :] & (k < K)[:, None],
+                                 other=0.0)
+                a = c[j]
+                if SEG < 8:
+                    if j % SEG == 0:
+                        g = (t * 128 + j * 16) // GROUP
+                        zs = _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS).to(DT)[:, None]
+                        ss = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                    a = a - zs
+                    if SCALE_A:
+                        a = (a.to(tl.float32) * ss).to(DT)
+                if SCALE_A:
+                    acc = tl.dot(a, xt, acc, input_precision="ieee" if DT == tl.float32 else None)
+                else:
+                    part = tl.dot(a, xt, part, input_precision="ieee" if DT == tl.float32 else None)
+                    if (j + 1) % SEG == 0:  # the segment's group: its scales, once per output, on the fp32 sums
+                        sp = tl.load(s_ptr + ((t * 128 + j * 16) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+                        acc += part * sp.to(tl.float32)[:, None]
+                        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     mask = n_mask[:, None] & m_mask[None, :]
     if MODE == 0:
         tl.store(out_ptr + m[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -217,10 +250,11 @@ def tc_default_config(M: int, N: int, K: int, sms: int) -> dict:
 
 def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
             perm: torch.Tensor | None, group_size: int, out2: torch.Tensor, *, block_n: int, block_m: int,
-            split_k: int, num_warps: int, num_stages: int, scale_a: bool = False, fixup: bool = True,
-            asm: bool | None = None) -> torch.Tensor:
+            split_k: int, num_warps: int, num_stages: int, scale_a: bool = False, wide: bool = False,
+            fixup: bool = True, asm: bool | None = None) -> torch.Tensor:
     """out2 [M, N] = x2 [M, K] @ W^T for W in the tc layout (group_size: the repack's). Launch keywords as in
-    tc_default_config; fixup=False sums the K-split partials in a second kernel (torch.sum, also in split order);
+    tc_default_config, and wide (the kernel's WIDE: one K = 128 dot a tile, for groups of 128 or more; ignored for
+    smaller groups); fixup=False sums the K-split partials in a second kernel (torch.sum, also in split order);
     asm=False: the plain-Triton unpack on an NVIDIA GPU too (a check of the PTX)."""
     M, K = x2.shape
     N = qweight.shape[0]
@@ -240,6 +274,7 @@ def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
                      GROUP=group_size, MODE=mode, HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None,
                      EVEN_K=K % 128 == 0, SCALE_A=scale_a, BLOCK_N=block_n,
                      BLOCK_M=block_m, ASM=(_ptx() if asm is None else asm) and x2.dtype != torch.float32,
+                     WIDE=wide and group_size >= 128,
                      num_warps=num_warps, num_stages=num_stages, **pdl_launch(x2.device))
     if mode == 2:
         torch.sum(part, 0, out=out2)

@@ -11,7 +11,7 @@ The table is keyed by device name (torch.cuda.get_device_name; "cpu" for the CPU
   "auto" (today's thresholds: AWQ GEMV, the split-K tile kernel, the tiled kernel, then dequantize + cuBLAS),
   "fused" (never dequantize) or "dequant" (always);
 - layout "tc": the layer repacks its weight once at load (kernels/w4a16_repack.py); row paths "tc" (the tensor-core
-  kernel, kernels/triton_w4a16_tc.py, launch keywords block_n, block_m, split_k, num_warps, num_stages, scale_a;
+  kernel, kernels/triton_w4a16_tc.py, launch keywords block_n, block_m, split_k, num_warps, num_stages, scale_a, wide;
   missing ones from tc_default_config) or "dequant" (dequantize the tc layout + cuBLAS).
 A row entry serves M from its key up to the next key (the smallest key serves anything below it); keys starting with
 "_" are notes (measured times). Missing rows: path
@@ -30,7 +30,7 @@ import torch
 
 CONFIG_FILE = Path(__file__).with_name("w4a16_configs.json")
 PATHS = {"checkpoint": ("auto", "fused", "dequant"), "tc": ("tc", "dequant")}
-LAUNCH_KEYS = ("block_n", "block_m", "split_k", "num_warps", "num_stages", "scale_a")
+LAUNCH_KEYS = ("block_n", "block_m", "split_k", "num_warps", "num_stages", "scale_a", "wide")
 
 
 @cache

@@ -86,6 +86,10 @@ CASES = [  # layout, N, K, group, M, launch: masked tails in M (5, 17, 33 of 16/
     ("gptq-act", 24, 320, 64, 33, dict(block_n=16, block_m=32, split_k=2)),  # act-order: x read through perm
     ("gptq-act", 32, 256, 128, 2, dict(block_n=32, block_m=16, split_k=2, scale_a=True)),
     ("pack", 20, 200, 200, 17, dict(block_n=16, block_m=32, split_k=2)),  # per-channel, K tail in the only group
+    # wide: the tile's 8 fields joined into one K = 128 operand (groups of 128 and up)
+    ("awq", 40, 384, 128, 17, dict(block_n=32, block_m=16, split_k=2, wide=True)),
+    ("gptq-act", 32, 256, 128, 33, dict(block_n=32, block_m=32, split_k=1, scale_a=True, wide=True)),
+    ("pack", 20, 200, 200, 5, dict(block_n=16, block_m=16, split_k=1, wide=True)),  # K tail
 ]
 
 

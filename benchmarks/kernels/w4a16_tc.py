@@ -109,6 +109,7 @@ def check(dev: str, shapes, rows, smoke: bool) -> list[dict]:
             variants = {"tc": {}, "tc_dequant": dict(path="dequant")}
             if layout in ("awq", "gptq-act") and (dtype == torch.bfloat16 or smoke):  # the kernel's other paths
                 variants["tc_scale_a"] = dict(scale_a=True)
+                variants["tc_wide"] = dict(wide=True)
                 if not smoke:
                     variants["tc_triton_unpack"] = dict(asm=False)
             for name, kw in variants.items():
@@ -133,12 +134,13 @@ def check(dev: str, shapes, rows, smoke: bool) -> list[dict]:
     return out
 
 
-def _tc_call(x, tq, ts, tz, perm, gs, path: str = "tc", asm: bool | None = None, scale_a: bool | None = None):
+def _tc_call(x, tq, ts, tz, perm, gs, path: str = "tc", asm: bool | None = None, scale_a: bool | None = None,
+             wide: bool | None = None):
     """w4a16_gemm on the tc layout (the table's launch or the defaults; asm: the kernel's unpack forced)."""
     from vserve.kernels import triton_w4a16, triton_w4a16_tc
 
     if asm is None:
-        return triton_w4a16.w4a16_gemm(x, tq, ts, tz, perm, "tc", 4, gs, path=path, scale_a=scale_a)
+        return triton_w4a16.w4a16_gemm(x, tq, ts, tz, perm, "tc", 4, gs, path=path, scale_a=scale_a, wide=wide)
     M, K = x.shape
     cfg = triton_w4a16_tc.tc_default_config(M, tq.shape[0], K, torch.cuda.get_device_properties(x.device)
                                             .multi_processor_count)
@@ -231,11 +233,12 @@ def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool,
 # ---- tune --------------------------------------------------------------------------------------------------------
 
 
-def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
+def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     """Stage 1 of the launch grid for M rows: tile shapes (rows per tile from M's bucket, 64 to 256 outputs, 4 or 8
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
     tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
-    stages."""
+    stages; for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain of wgmma
+    instructions with one wait a tile; stage 2 times the best three without it too)."""
     bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
@@ -249,7 +252,7 @@ def grid(M: int, N: int, K: int, sms: int) -> list[dict]:
             for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
                     out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=3,
-                                    scale_a=bm >= 64))
+                                    scale_a=bm >= 64, wide=group >= 128))
     return out
 
 
@@ -284,9 +287,9 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                 except Exception as e:  # out of shared memory or registers: keep the others
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
-            for _, cfg in timed[:3]:  # stage 2: the pipeline depth of the best three (deeper for small M)
-                for st in (2, 4, 5, 6) if M <= 16 else (2, 4):
-                    c2 = dict(cfg, num_stages=st)
+            for _, cfg in timed[:3]:  # stage 2: the pipeline depth of the best three (deeper for small M), and wide
+                for c2 in [dict(cfg, num_stages=st) for st in ((2, 4, 5, 6) if M <= 16 else (2, 4))] + \
+                        ([dict(cfg, wide=False)] if cfg.get("wide") else []):
                     try:
                         timed.append((time_ms(partial(run, cfg=c2), dev, tc, **timing), c2))
                     except Exception as e:
