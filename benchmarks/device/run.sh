@@ -9,6 +9,7 @@
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31), likewise, then ROWS (default: the W4 rows; commit $OUT/w4a16_configs.json)
+#   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
@@ -65,6 +66,9 @@ moe)
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/fused_moe.py --tune --out "$OUT" > "$OUT/moe_tune.log" 2>&1
   [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" kernels/
   rows deepseek_v2_lite_512 ;;
+w4ab)  # the tc kernel with and without WIDE at the same launches, vs cuBLAS bf16 (W4AB_ROWS)
+  timeout "${TUNE_S:-300}" python3 benchmarks/kernels/w4a16_tc.py --wide-ab --rows "${W4AB_ROWS:-1,8,32,128,256,1024}" \
+    --out "$OUT" > "$OUT/w4ab.log" 2>&1 ;;
 w4)
   timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune --out "$OUT" > "$OUT/w4_tune.log" 2>&1
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/

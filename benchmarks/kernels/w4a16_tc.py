@@ -230,6 +230,54 @@ def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool,
     return out
 
 
+def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool) -> list[dict]:
+    """The kernel with and without WIDE at the same launches (the table's or the defaults', and for 64 rows and up
+    one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same weight; each wide
+    launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
+    from timing import copies, time_ms
+
+    from vserve.kernels import triton_w4a16_tc, w4a16_dispatch, w4a16_ref
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+    out = []
+    for K, N in shapes:
+        awq = copies(lambda K=K, N=N: checkpoint("awq", K, N, dev)[:3], K * N // 2, cold)
+        tc = [tc_weight((*c, None, "awq"), K, N) for c in awq]
+        w32 = w4a16_ref.dequantize_weight(awq[0][0], awq[0][1], awq[0][2], None, "awq", 4, GROUP)
+        bf16 = copies(lambda K=K, N=N: (torch.randn(N, K, device=dev, dtype=dtype) * 0.02,), K * N * 2, cold)
+        for M in rows:
+            x = torch.randn(M, K, device=dev, dtype=dtype)
+            o = torch.empty(M, N, device=dev, dtype=dtype)
+            ref = torch.nn.functional.linear(x.float(), w32)
+            limit = max(TOL[dtype], 2 * rel_err(torch.nn.functional.linear(x, w32.to(dtype)), ref))
+            base = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms),
+                        **w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)[1])
+            launches = [dict(base, wide=False), dict(base, wide=True)]
+            if M >= 64:
+                launches += [dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=st,
+                                  scale_a=True, wide=w) for st in (2, 3) for w in (False, True)]
+            row = dict(shape=NAMES.get((K, N), f"{K}x{N}"), K=K, N=N, M=M, limit=limit,
+                       bf16_ms=time_ms(partial(torch.nn.functional.linear, x), dev, bf16, **timing), launches=[])
+            for cfg in launches:
+                def run(qw, s, z, p, gs, _cfg=cfg, _x=x, _o=o):
+                    return triton_w4a16_tc.tc_gemm(_x, qw, s, z, p, gs, _o, **_cfg)
+                try:
+                    ms = time_ms(run, dev, tc, **timing)
+                    err = rel_err(run(*tc[0]), ref)
+                except Exception as e:  # out of shared memory or registers
+                    row["launches"].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:100]}"))
+                    continue
+                row["launches"].append(dict(cfg, ms=ms, rel_err=err, ok=err <= limit,
+                                            TFLOPs=2 * M * N * K / (ms * 1e-3) / 1e12))
+            out.append(row)
+            log(f"wide-ab {row['shape']:8s} M={M:<4} bf16 {row['bf16_ms']:.4f}  " + "  ".join(
+                f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
+                f"{' wide' if c['wide'] else ''}] " + (f"{c['ms']:.4f}{'' if c['ok'] else ' BAD'}" if "ms" in c
+                                                        else "error") for c in row["launches"]))
+        del awq, tc, bf16, w32
+    return out
+
+
 # ---- tune --------------------------------------------------------------------------------------------------------
 
 
@@ -369,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="bf16/fp16 on the GPU vs the dequantized-weight GEMM")
     ap.add_argument("--compare", action="store_true", help="ms, TFLOP/s, GB/s: tc, today, cuBLAS bf16, gemlite")
     ap.add_argument("--tune", action="store_true", help="launch grid per M bucket -> OUT/w4a16_configs.json")
+    ap.add_argument("--wide-ab", action="store_true", help="the kernel with and without WIDE at the same launches")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
     ap.add_argument("--compare-rows", default="", help="row counts for --compare when other than --rows")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
@@ -385,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     from timing import smoke_iters
 
     if args.cpu_smoke:
-        args.check = args.compare = args.tune = True
+        args.check = args.compare = args.tune = args.wide_ab = True
         dev, shapes, rows, check_rows, dtype, cold = "cpu", [(256, 64)], [1, 5], [1, 5], torch.float16, 0
         timing = smoke_iters(True)
     else:
@@ -393,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
         rows, check_rows = [int(m) for m in args.rows.split(",")], CHECK_ROWS
         timing = {}
-        if not (args.check or args.compare or args.tune):
-            ap.error("give --check, --compare and/or --tune")
+        if not (args.check or args.compare or args.tune or args.wide_ab):
+            ap.error("give --check, --compare, --tune and/or --wide-ab")
     from vserve.kernels import w4a16_dispatch
 
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke: the numbers mean nothing)",
@@ -410,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [r for r in res["check"] if r["ok"] is False]
         log(f"check: {sum(r['ok'] is True for r in res['check'])}/{sum(r['ok'] is not None for r in res['check'])} ok"
             + "".join(f"\n  FAIL {r}" for r in bad))
+    if args.wide_ab:
+        res["wide_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing, args.cpu_smoke)
+        bad += [c for r in res["wide_ab"] for c in r["launches"] if c.get("ok") is False]
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
         table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
