@@ -286,17 +286,18 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
     tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
     stages; for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain of wgmma
-    instructions with one wait a tile; stage 2 times the best three without it too)."""
+    instructions with one wait a tile; stage 2 times the best three without it too). Prefill-sized M (over 256): three
+    tile shapes and no split (the tiles fill the GPU)."""
     bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for bn, warps in ((128, 4), (128, 8), (256, 8)) if M > 256 else ((64, 4), (128, 4), (128, 8), (256, 8)):
             if bm == 256 and bn == 256:
                 continue
             tiles, s0 = -(-N // bn) * -(-M // bm), 1
             while tiles * s0 < 2 * sms and k_tiles // (s0 * 2) >= 2 and 16 * M * s0 * 2 <= K:
                 s0 *= 2
-            near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2}  # memory-bound: wider
+            near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2} if M <= 256 else {1}
             for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
                     out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=3,
@@ -324,6 +325,10 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
         for M in rows:
             x = torch.randn(M, K, device=dev, dtype=dtype)
             o = torch.empty(M, N, device=dev, dtype=dtype)
+            # prefill-sized M: compute-bound (one weight copy; a call takes milliseconds: fewer of them), best one only
+            big = M > 256 and not timing
+            tkw, tci, aci, best_n = (dict(iters=3, repeats=3, warmup=1), tc[:1], awq[:1], 1) if big else \
+                (timing, tc, awq, 3)
 
             def run(qw, s, z, p, gs, cfg, _x=x, _o=o):
                 triton_w4a16_tc.tc_gemm(_x, qw, s, z, p, gs, _o, **cfg)
@@ -331,23 +336,23 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
             timed = []
             for cfg in grid(M, N, K, sms):
                 try:
-                    timed.append((time_ms(partial(run, cfg=cfg), dev, tc, **timing), cfg))
+                    timed.append((time_ms(partial(run, cfg=cfg), dev, tci, **tkw), cfg))
                 except Exception as e:  # out of shared memory or registers: keep the others
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
-            for _, cfg in timed[:3]:  # stage 2: the pipeline depth of the best three (deeper for small M), and wide
+            for _, cfg in timed[:best_n]:  # stage 2: the best ones at other depths (deeper for small M), and not wide
                 for c2 in [dict(cfg, num_stages=st) for st in ((2, 4, 5, 6) if M <= 16 else (2, 4))] + \
                         ([dict(cfg, wide=False)] if cfg.get("wide") else []):
                     try:
-                        timed.append((time_ms(partial(run, cfg=c2), dev, tc, **timing), c2))
+                        timed.append((time_ms(partial(run, cfg=c2), dev, tci, **tkw), c2))
                     except Exception as e:
                         log(f"  {c2}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
             best_ms, best = timed[0]
             deq_ms = time_ms(lambda qw, s, z, p, gs, _x=x: triton_w4a16.w4a16_gemm(_x, qw, s, z, p, "tc", 4, gs,
-                                                                                   path="dequant"), dev, tc, **timing)
+                                                                                   path="dequant"), dev, tci, **tkw)
             today_ms = time_ms(lambda qw, s, z, _x=x: triton_w4a16.w4a16_gemm(_x, qw, s, z, None, "awq", 4, GROUP,
-                                                                              path="auto"), dev, awq, **timing)
+                                                                              path="auto"), dev, aci, **tkw)
             path = "tc" if best_ms <= deq_ms else "dequant"
             rows_out[str(M)] = dict(path=path, **(best if path == "tc" else {}),
                                     _ms=dict(tc=round(best_ms, 5), dequant=round(deq_ms, 5), today=round(today_ms, 5)))
