@@ -16,6 +16,9 @@ Marlin's and Machete's ideas, in Triton:
   16 codes (elsewhere, and under the interpreter, the same values in Triton integer ops);
 - per-group scales applied in registers, once per group and output, to the dot's fp32 result: the dot sums exact
   products x (q - z);
+- one dot a tile (WIDE, groups of 128 and up): the 8 fields joined into a [BLOCK_N, 128] operand; with 4 warps on
+  sm_90 that is one chain of wgmma instructions with no full wait inside the loop, where 8 dots of K = 16 wait after
+  each (ptxas's `WARPGROUP.DEPBAR.LE gsb0, 0x0`; benchmarks/kernels/triton_sass.py shows both);
 - split-K for small M so that a few output tiles still fill the GPU; each split writes an fp32 partial and the last
   program of each output tile to finish sums them in split order (deterministic; one kernel);
 - act-order: K was sorted by group at load; the kernel reads x's columns through that permutation (no extra kernel).
