@@ -1,6 +1,7 @@
 """Compile one Triton kernel for an H100/H200 (sm_90a) on a machine without a GPU, and report what costs device
 time to find out otherwise: registers and spills (ptxas -v), shared memory, the shared-memory buffers and waits of
-the pipelined loop (TTGIR), and an instruction histogram of the whole kernel and of its largest loop (SASS).
+the pipelined loop (TTGIR), and an instruction histogram of the whole kernel and of its largest loop (SASS), with
+the loop's wgmma waits (a `gsb0, 0x0` after each wgmma serializes them) and ptxas's performance notes (C7515).
 
     python benchmarks/kernels/triton_sass.py vserve.kernels.triton_attention:_decode_partition_kernel \\
         --types q_ptr=*bf16,kc_ptr=*fp8e4nv,vc_ptr=*fp8e4nv,bt_ptr=*i32,ctx_ptr=*i32,out_ptr=*bf16,acc_ptr=*fp32,\\
@@ -128,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largest loop ({hex(start)}-{hex(end)}): {len(body)} instructions;",
               ", ".join(f"{op} {n}" for op, n in _histogram(body).most_common(24)))
         summary["largest_loop_instructions"] = len(body)
+        waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", "\n".join(body)))
+        if waits:  # 0x0: the next wgmma waits for every one before it (serialized); more: that many stay in flight
+            print("wgmma waits in the loop:", ", ".join(f"{n} x {w}" for w, n in sorted(waits.items())))
+            summary["loop_wgmma_waits"] = dict(waits)
+    notes = [line.split(": ", 1)[1] for line in ptxas.splitlines() if "Performance Loss" in line]
+    for note in notes:  # e.g. C7515: ptxas serialized the wgmma instructions
+        print("ptxas:", note)
+    summary["ptxas_notes"] = notes
     (out / "triton_sass.json").write_text(json.dumps(summary, indent=1))
     print(f"listings in {out}/")
     return 0
