@@ -100,6 +100,20 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
+def _tc_x(x_ptr, perm_ptr, k, m, m_mask, stride_xm, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):
+    """x^T's rows k (x's columns, through act-order's permutation) for the tile's rows m: [len(k), BLOCK_M]."""
+    if HAS_PERM and EVEN_K:
+        kx = tl.load(perm_ptr + k)
+    elif HAS_PERM:
+        kx = tl.load(perm_ptr + k, mask=k < K, other=0)
+    else:
+        kx = k
+    if EVEN_K:
+        return tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :], other=0.0)
+    return tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :] & (k < K)[:, None], other=0.0)
+
+
+@triton.jit
 def _tc_cat(a, b):
     """[R, W] and [R, W] -> [R, 2 W], a's columns first. join puts the pair in a thread's registers; with the fields
     of one word in one thread's registers (the unpack), the result is the dot operand's layout for the wider K with
@@ -147,18 +161,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
         if WIDE and SEG == 8:
             a = _tc_cat(_tc_cat(_tc_cat(c[0], c[1]), _tc_cat(c[2], c[3])),
                         _tc_cat(_tc_cat(c[4], c[5]), _tc_cat(c[6], c[7])))
-            k = t * 128 + tl.arange(0, 128)
-            if HAS_PERM and EVEN_K:
-                kx = tl.load(perm_ptr + k)
-            elif HAS_PERM:
-                kx = tl.load(perm_ptr + k, mask=k < K, other=0)
-            else:
-                kx = k
-            if EVEN_K:
-                xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :], other=0.0)
-            else:
-                xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :] & (k < K)[:, None],
-                             other=0.0)
+            xt = _tc_x(x_ptr, perm_ptr, t * 128 + tl.arange(0, 128), m, m_mask, stride_xm, K, HAS_PERM, EVEN_K)
             if SCALE_A:
                 acc = tl.dot(a, xt, acc, input_precision="ieee" if DT == tl.float32 else None)
             else:
@@ -168,18 +171,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
         else:
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for j in tl.static_range(8):
-                k = t * 128 + j * 16 + i16
-                if HAS_PERM and EVEN_K:
-                    kx = tl.load(perm_ptr + k)
-                elif HAS_PERM:
-                    kx = tl.load(perm_ptr + k, mask=k < K, other=0)
-                else:
-                    kx = k
-                if EVEN_K:
-                    xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :], other=0.0)
-                else:
-                    xt = tl.load(x_ptr + m[None, :] * stride_xm + kx[:, None], mask=m_mask[None, :] & (k < K)[:, None],
-                                 other=0.0)
+                xt = _tc_x(x_ptr, perm_ptr, t * 128 + j * 16 + i16, m, m_mask, stride_xm, K, HAS_PERM, EVEN_K)
                 a = c[j]
                 if SEG < 8:
                     if j % SEG == 0:
