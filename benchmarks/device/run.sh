@@ -69,7 +69,8 @@ moe)
   rows deepseek_v2_lite_512 ;;
 w4ab)  # the tc kernel with and without WIDE at the same launches, vs cuBLAS bf16 (W4AB_ROWS)
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/w4a16_tc.py --wide-ab --rows "${W4AB_ROWS:-1,8,32,128,256,1024}" \
-    --out "$OUT" > "$OUT/w4ab.log" 2>&1 ;;
+    ${W4AB_SHAPES:+--shapes "$W4AB_SHAPES"} --out "$OUT" > "$OUT/w4ab.log" 2>&1
+  grep "wide-ab" "$OUT/w4ab.log" | cut -c1-400 ;;
 w4)
   timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune --out "$OUT" > "$OUT/w4_tune.log" 2>&1
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/
