@@ -31,10 +31,13 @@ compiles (most of --tune's time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -305,11 +308,46 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     return out
 
 
+def _compile(dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, dict]]) -> int:
+    """Run the tc kernel once for each (K, N, launch) on one row of random data: in a worker process, this compiles
+    each launch into Triton's cache on disk, which the tuning process then loads instead of compiling. The count."""
+    from vserve.kernels import triton_w4a16_tc
+
+    weights: dict = {}
+    for K, N, cfg in jobs:
+        if (K, N) not in weights:
+            weights[(K, N)] = tc_weight((*checkpoint("awq", K, N, dev)[:3], None, "awq"), K, N)
+        x = torch.randn(1, K, device=dev, dtype=dtype)
+        try:
+            triton_w4a16_tc.tc_gemm(x, *weights[(K, N)], torch.empty(1, N, device=dev, dtype=dtype), **cfg)
+        except Exception as e:  # out of shared memory or registers: the tune logs it when it times the launch
+            log(f"  compile {cfg}: {type(e).__name__}")
+    return len(jobs)
+
+
+def precompile(pool, dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, dict]]) -> None:
+    """The launches' compiles spread over pool's worker processes (Triton compiles one kernel at a time in a process;
+    most of a tune's time on one process), one launch once; pool None: nothing (they compile when first timed)."""
+    seen, todo = set(), []
+    for K, N, cfg in jobs:
+        key = (K % 128 == 0, tuple(sorted(cfg.items())))  # what the compiled variant depends on (EVEN_K, launch)
+        if key not in seen:
+            seen.add(key)
+            todo.append((K, N, cfg))
+    if pool is None or not todo:
+        return
+    t = time.time()
+    n = pool._max_workers
+    sum(pool.map(partial(_compile, dev, dtype), [todo[i::n] for i in range(n)]))
+    log(f"precompiled {len(todo)} launches in {time.time() - t:.1f}s on {n} processes")
+
+
 def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
-         save: Path | None = None, merge: bool = False) -> tuple[dict, list[dict]]:
+         save: Path | None = None, merge: bool = False, pool=None) -> tuple[dict, list[dict]]:
     """save: where the table is written after each shape (a run cut short keeps the shapes it finished). merge: the
     tuned rows replace only their own keys in a shape's existing entry, whose layout stays (a re-tune of some row
-    counts, e.g. prefill sizes); without an entry the shape is decided as without merge."""
+    counts, e.g. prefill sizes); without an entry the shape is decided as without merge. pool: worker processes that
+    compile each stage's launches in parallel first (precompile)."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16, triton_w4a16_tc, w4a16_dispatch
@@ -318,6 +356,7 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
     name = w4a16_dispatch.device_name(torch.device(dev))
     table = json.loads(w4a16_dispatch.CONFIG_FILE.read_text())
     entries, log_rows = {}, []
+    precompile(pool, dev, dtype, [(K, N, cfg) for K, N in shapes for M in rows for cfg in grid(M, N, K, sms)])
     for K, N in shapes:
         awq = copies(lambda K=K, N=N: checkpoint("awq", K, N, dev)[:3], K * N // 2, cold)
         tc = [tc_weight((*c, None, "awq"), K, N) for c in awq]
@@ -340,13 +379,15 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                 except Exception as e:  # out of shared memory or registers: keep the others
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
-            for _, cfg in timed[:best_n]:  # stage 2: the best ones at other depths (deeper for small M), and not wide
-                for c2 in [dict(cfg, num_stages=st) for st in ((2, 4, 5, 6) if M <= 16 else (2, 4))] + \
-                        ([dict(cfg, wide=False)] if cfg.get("wide") else []):
-                    try:
-                        timed.append((time_ms(partial(run, cfg=c2), dev, tci, **tkw), c2))
-                    except Exception as e:
-                        log(f"  {c2}: {type(e).__name__}: {str(e)[:100]}")
+            stage2 = [c2 for _, cfg in timed[:best_n]  # the best ones at other depths (deeper for small M), not wide
+                      for c2 in [dict(cfg, num_stages=st) for st in ((2, 4, 5, 6) if M <= 16 else (2, 4))]
+                      + ([dict(cfg, wide=False)] if cfg.get("wide") else [])]
+            precompile(pool, dev, dtype, [(K, N, c2) for c2 in stage2])
+            for c2 in stage2:
+                try:
+                    timed.append((time_ms(partial(run, cfg=c2), dev, tci, **tkw), c2))
+                except Exception as e:
+                    log(f"  {c2}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
             best_ms, best = timed[0]
             deq_ms = time_ms(lambda qw, s, z, p, gs, _x=x: triton_w4a16.w4a16_gemm(_x, qw, s, z, p, "tc", 4, gs,
@@ -429,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-mib", type=int, default=256, help="weight copies cycled per timed pass (0: one, hot)")
     ap.add_argument("--merge", action="store_true",
                     help="--tune: the tuned rows replace only their keys in the table's existing entries")
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="--tune: processes that compile each stage's launches first (default: the CPUs, up to 16; "
+                         "0: none)")
     ap.add_argument("--batch1-slack", type=float, default=0.0,
                     help="--tune: how much slower than today the tc layout may be at the first row count (0.02: 2%%)")
     from timing import parse_args
@@ -469,9 +513,14 @@ def main(argv: list[str] | None = None) -> int:
         bad += [c for r in res["wide_ab"] for c in r["launches"] if c.get("ok") is False]
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
-        table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
-                                  args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json",
-                                  args.merge)
+        workers = args.compile_workers if args.compile_workers is not None else 1 if args.cpu_smoke else \
+            min(16, os.cpu_count() or 1)
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))) \
+                if workers > 0 else None
+            table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
+                                      args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json",
+                                      args.merge, pool)
         log(f"tuned table: {out / 'w4a16_configs.json'}")
         os.environ["VSERVE_W4A16_CONFIGS"] = str(out / "w4a16_configs.json")  # --compare's other rows: this table
         w4a16_dispatch.reload()
