@@ -8,8 +8,8 @@
 #         (#29: unconstrained, JSON, JSON under llguidance; SmolLM2's tokenizer) under the step trace, or ROWS
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
-#   w4    w4a16_tc.py --tune (#31; its compiles spread over the CPUs), likewise, then ROWS (default: the W4 rows; none: no rows; commit
-#         $OUT/w4a16_configs.json)
+#   w4    w4a16_tc.py --tune (#31; its compiles spread over the CPUs), likewise, then ROWS (default: the W4 rows;
+#         none: no rows; commit $OUT/w4a16_configs.json)
 #   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
