@@ -325,9 +325,10 @@ def _compile(dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, dict]]) ->
     return len(jobs)
 
 
-def precompile(pool, dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, dict]]) -> None:
+def precompile(pool: tuple | None, dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, dict]]) -> None:
     """The launches' compiles spread over pool's worker processes (Triton compiles one kernel at a time in a process;
-    most of a tune's time on one process), one launch once; pool None: nothing (they compile when first timed)."""
+    most of a tune's time on one process), one launch once; pool: (executor, its number of processes), or None:
+    nothing (they compile when first timed)."""
     seen, todo = set(), []
     for K, N, cfg in jobs:
         key = (K % 128 == 0, tuple(sorted(cfg.items())))  # what the compiled variant depends on (EVEN_K, launch)
@@ -337,17 +338,17 @@ def precompile(pool, dev: str, dtype: torch.dtype, jobs: list[tuple[int, int, di
     if pool is None or not todo:
         return
     t = time.time()
-    n = pool._max_workers
-    sum(pool.map(partial(_compile, dev, dtype), [todo[i::n] for i in range(n)]))
+    executor, n = pool
+    sum(executor.map(partial(_compile, dev, dtype), [todo[i::n] for i in range(n)]))
     log(f"precompiled {len(todo)} launches in {time.time() - t:.1f}s on {n} processes")
 
 
 def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
-         save: Path | None = None, merge: bool = False, pool=None) -> tuple[dict, list[dict]]:
+         save: Path | None = None, merge: bool = False, pool: tuple | None = None) -> tuple[dict, list[dict]]:
     """save: where the table is written after each shape (a run cut short keeps the shapes it finished). merge: the
     tuned rows replace only their own keys in a shape's existing entry, whose layout stays (a re-tune of some row
-    counts, e.g. prefill sizes); without an entry the shape is decided as without merge. pool: worker processes that
-    compile each stage's launches in parallel first (precompile)."""
+    counts, e.g. prefill sizes); without an entry the shape is decided as without merge. pool: (executor, processes)
+    that compile each stage's launches in parallel first (precompile)."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16, triton_w4a16_tc, w4a16_dispatch
@@ -516,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.compile_workers if args.compile_workers is not None else 1 if args.cpu_smoke else \
             min(16, os.cpu_count() or 1)
         with contextlib.ExitStack() as stack:
-            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))) \
-                if workers > 0 else None
+            pool = (stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))),
+                    workers) if workers > 0 else None
             table, res["tune"] = tune(dev, shapes, rows, dtype, cold, dict(iters=1, repeats=1, warmup=1) if
                                       args.cpu_smoke else timing, args.batch1_slack, out / "w4a16_configs.json",
                                       args.merge, pool)
