@@ -233,7 +233,12 @@ def compare(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool,
     return out
 
 
-def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool) -> list[dict]:
+def _sms(dev: str) -> int:
+    """The GPU's SM count (what tc_default_config fills), 4 for the CPU smoke."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+
+
+def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict) -> list[dict]:
     """The kernel with and without WIDE at the same launches (the table's or the defaults', and for 64 rows and up
     one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same weight; each wide
     launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
@@ -241,7 +246,7 @@ def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, smoke: bool)
 
     from vserve.kernels import triton_w4a16_tc, w4a16_dispatch, w4a16_ref
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+    sms = _sms(dev)
     out = []
     for K, N in shapes:
         awq = copies(lambda K=K, N=N: checkpoint("awq", K, N, dev)[:3], K * N // 2, cold)
@@ -289,8 +294,8 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
     tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
     stages; for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain of wgmma
-    instructions with one wait a tile; stage 2 times the best three without it too). Prefill-sized M (over 256): three
-    tile shapes and no split (the tiles fill the GPU)."""
+    instructions with one wait a tile; stage 2 times the best launches without it too). Prefill-sized M (over 256):
+    three tile shapes and no split (the tiles fill the GPU)."""
     bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
@@ -353,7 +358,7 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
 
     from vserve.kernels import triton_w4a16, triton_w4a16_tc, w4a16_dispatch
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+    sms = _sms(dev)
     name = w4a16_dispatch.device_name(torch.device(dev))
     table = json.loads(w4a16_dispatch.CONFIG_FILE.read_text())
     entries, log_rows = {}, []
@@ -510,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"check: {sum(r['ok'] is True for r in res['check'])}/{sum(r['ok'] is not None for r in res['check'])} ok"
             + "".join(f"\n  FAIL {r}" for r in bad))
     if args.wide_ab:
-        res["wide_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing, args.cpu_smoke)
+        res["wide_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing)
         bad += [c for r in res["wide_ab"] for c in r["launches"] if c.get("ok") is False]
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
