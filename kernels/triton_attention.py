@@ -117,28 +117,36 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 @triton.jit
 def _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr, n_valid, row0, stride_oh, NUM_SPLITS, D: tl.constexpr,
-                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                      GROUP: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """The GROUP heads from partial row row0 (of [sequence, head]) of one kv head: out = sum_s 2^(m_s - M) acc_s /
-    sum_s 2^(m_s - M) l_s over their first n_valid partitions (zeros for none). The partitions are walked by a
-    run-time loop (no constexpr of their number: eager steps change it, and each value would compile again). The
-    partials are read with .cg, past L1, which other SMs' stores do not reach."""
-    g = tl.arange(0, GROUP_P)
+    sum_s 2^(m_s - M) l_s over their first n_valid partitions (zeros for none). CHUNK partitions at a time, in one
+    pass: a chunk's m, l and acc are loaded together (one round trip to L2 for up to CHUNK partitions, where a loop
+    over single partitions waits on each) and folded into running sums rescaled to the running max. The chunks are
+    walked by a run-time loop (no constexpr of the partitions' number: eager steps change it, and each value would
+    compile again). The partials are read with .cg, past L1, which other SMs' stores do not reach."""
+    s = tl.arange(0, CHUNK)
+    g = tl.arange(0, GROUP_C)
     gmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    base = (row0 + g) * NUM_SPLITS
-    big_m = tl.full([GROUP_P], float("-inf"), tl.float32)
-    for i in range(0, n_valid):
-        big_m = tl.maximum(big_m, tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
-    big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
-    den = tl.zeros([GROUP_P], tl.float32)
-    num = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
-    for i in range(0, n_valid):
-        w = tl.exp2(tl.load(m_ptr + base + i, mask=gmask, other=float("-inf"), cache_modifier=".cg") - big_m)
-        den += tl.load(l_ptr + base + i, mask=gmask, other=0.0, cache_modifier=".cg") * w
-        a = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                    other=0.0, cache_modifier=".cg")
-        num += a * w[:, None]
+    base = (row0 + g) * NUM_SPLITS  # [GROUP_C]
+    big_m = tl.full([GROUP_C], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_C], tl.float32)
+    num = tl.zeros([GROUP_C, BLOCK_D], tl.float32)
+    for i0 in range(0, n_valid, CHUNK):
+        row = base[None, :] + (i0 + s)[:, None]  # [CHUNK, GROUP_C]
+        mask = ((i0 + s) < n_valid)[:, None] & gmask[None, :]
+        m_c = tl.load(m_ptr + row, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(l_ptr + row, mask=mask, other=0.0, cache_modifier=".cg")
+        a_c = tl.load(acc_ptr + row[:, :, None] * D + d[None, None, :], mask=mask[:, :, None] & dmask[None, None, :],
+                      other=0.0, cache_modifier=".cg")  # [CHUNK, GROUP_C, BLOCK_D]
+        new_m = tl.maximum(big_m, tl.max(m_c, axis=0))
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)  # all empty so far (window): weights 0, not NaN
+        alpha = tl.exp2(big_m - ref)
+        w = tl.exp2(m_c - ref[None, :])  # [CHUNK, GROUP_C]; 0 for an empty or masked partition
+        den = den * alpha + tl.sum(l_c * w, axis=0)
+        num = num * alpha[:, None] + tl.sum(a_c * w[:, :, None], axis=0)
+        big_m = new_m
     o = num / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=gmask[:, None] & dmask[None, :])
@@ -151,8 +159,9 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
                              qk_scale, window, softcap, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                              stride_vb, stride_vt, stride_vh, stride_btb, stride_ob, stride_oh, H, NUM_SPLITS,
                              SOFTCAP: tl.constexpr, D: tl.constexpr,
-                             GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
+                             GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_C: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PARTITION: tl.constexpr, CHUNK: tl.constexpr,
                              FUSED_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                              F16_DOT: tl.constexpr, V_HW_CVT: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, kv head, partition): all GROUP query heads of the kv head against PARTITION tokens, so each
@@ -217,14 +226,14 @@ def _decode_partition_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ac
             n_valid = tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS)
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_valid - 1:  # the last one: combine
                 _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr + b * stride_ob + kvh * GROUP * stride_oh, n_valid,
-                                  b * H + kvh * GROUP, stride_oh, NUM_SPLITS, D, GROUP, GROUP_P, BLOCK_D)
+                                  b * H + kvh * GROUP, stride_oh, NUM_SPLITS, D, GROUP, GROUP_C, BLOCK_D, CHUNK)
                 tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA-graph replays included)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, H, NUM_SPLITS,
-                          D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PARTITION: tl.constexpr):
+                          D: tl.constexpr, GROUP: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PARTITION: tl.constexpr, CHUNK: tl.constexpr):
     """Combine one (sequence, kv head)'s partitions (fused_reduce=False), as the fused path's last partition does."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -233,7 +242,7 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, stride_ob, st
         return  # one partition: the partition kernel wrote the output
     _combine_partials(acc_ptr, m_ptr, l_ptr, out_ptr + b * stride_ob + kvh * GROUP * stride_oh,
                       tl.minimum(tl.cdiv(ctx, PARTITION), NUM_SPLITS), b * H + kvh * GROUP, stride_oh, NUM_SPLITS, D,
-                      GROUP, GROUP_P, BLOCK_D)
+                      GROUP, GROUP_C, BLOCK_D, CHUNK)
 
 
 @cache
@@ -246,7 +255,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int | None = None, softcap: float | None = None, *,
                            partition_size: int | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, maxnreg: int | None = None, fused_reduce: bool = True,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           combine_chunk: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, d] attends to its first context_lens[b] cached tokens (the last window
     of them on a sliding-window layer) -> [B, H, d].
 
@@ -261,15 +270,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     512 below 512 programs, 2048 from there (a long partition per program when the batch alone
     fills the GPU); KV tiles of 64 tokens, 128 for head dims <= 64 or an fp8 cache; 2 pipeline stages. Over an
     fp8 cache with bf16 queries the dots run in fp16 (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster
-    than e4m3 -> bf16), and V is converted in registers before its layout change (_e4m3_to_f16).
+    than e4m3 -> bf16), and V is converted in registers before its layout change (_e4m3_to_f16). The partials are
+    combined combine_chunk partitions at a time (a power of two; default: 8 for the 8B shape when B * kvh < 64,
+    a batch-1 step's 2-10 partitions of 64 tokens in one or two rounds of loads, else 2).
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
     _, bs, kvh, _ = k_cache.shape
     assert H % kvh == 0, (H, kvh)
+    small_batch = B * kvh < 64
     if partition_size is None:
         small = min(256, max(64, triton.next_power_of_2(triton.cdiv(block_tables.shape[1] * bs, SMALL_SPLITS))))
-        partition_size = small if B * kvh < 64 else 512 if B * kvh < 512 else 2048
+        partition_size = small if small_batch else 512 if B * kvh < 512 else 2048
     num_stages = num_stages or 2
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     block_n = block_n or min(128 if d <= 64 or fp8 else 64, partition_size)
@@ -290,22 +302,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc = torch.empty((B, H, num_splits, d), dtype=torch.float32, device=q.device)
         m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-    block_d, group_p = triton.next_power_of_2(d), max(16, triton.next_power_of_2(group))
+    block_d, group_c = triton.next_power_of_2(d), triton.next_power_of_2(group)
+    group_p = max(16, group_c)
+    # the combine's chunk: up to 4,096 fp32 values of acc in flight where rows have many short partitions (the
+    # registers it takes cost nothing when few programs run), 1,024 (the kernel's registers as with one partition at
+    # a time: the occupancy of large batches kept) where partitions are long
+    chunk = combine_chunk or max(1, min(16, (4096 if small_batch else 1024) // (group_c * block_d)))
+    assert chunk & (chunk - 1) == 0, chunk
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,
         *_score_args(scale, window, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), H, num_splits, SOFTCAP=bool(softcap), D=d, GROUP=group, GROUP_P=group_p,
-        BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
-        PARTITION=partition_size, FUSED_REDUCE=counts is not None,
+        GROUP_C=group_c, BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCK_D=block_d,
+        PARTITION=partition_size, CHUNK=chunk, FUSED_REDUCE=counts is not None,
         DOT_PRECISION=_dot_precision(q.dtype), F16_DOT=q.dtype == torch.bfloat16 and fp8,
         V_HW_CVT=fp8 and q.dtype != torch.float32 and _ptx(),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
         **pdl_launch(q.device))
     if not single and counts is None:
         _decode_reduce_kernel[(B, kvh)](acc, m, l, context_lens, out, out.stride(0), out.stride(1), H, num_splits,
-                                        D=d, GROUP=group, GROUP_P=group_p, BLOCK_D=block_d, PARTITION=partition_size,
-                                        num_warps=4)
+                                        D=d, GROUP=group, GROUP_C=group_c, BLOCK_D=block_d, PARTITION=partition_size,
+                                        CHUNK=chunk, num_warps=4)
     return out
 
 

@@ -164,6 +164,24 @@ def test_decode_attention_small_kv_tiles_and_many_partitions(seed, fused_reduce)
         assert int(triton_ops.arrival_counts(q.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+@pytest.mark.parametrize("fused_reduce", [True, False])
+def test_decode_partials_combined_a_chunk_at_a_time(seed, chunk, fused_reduce):
+    """The partials are combined combine_chunk partitions per round of loads, rescaled to the running max: 7
+    partitions (a masked chunk tail at 2 and 4), and under a window of 20 tokens a row whose first chunks hold only
+    empty partitions (m = -inf: weighed 0, never NaN)."""
+    k_cache, v_cache, bt, ctx_lens = _paged_cache([9, 200, 130], 16, 2, 64, torch.float32)
+    q = torch.randn(3, 6, 64, device=DEVICE)
+    for window in (None, 20):
+        out = triton_attention.paged_decode_attention(q, k_cache, v_cache, bt, ctx_lens, 0.125, window,
+                                                      partition_size=32, block_n=16, fused_reduce=fused_reduce,
+                                                      combine_chunk=chunk, out=_poisoned(q.shape, torch.float32))
+        _close(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, ctx_lens, 0.125, window), torch.float32,
+               seed)
+    if fused_reduce:
+        assert int(triton_ops.arrival_counts(q.device, 1).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("partition,width,fused", [(64, None, True), (1024, None, True), (16, 8, True),
                                                    (16, 8, False)])
 def test_decode_row_with_empty_context_gives_zeros(seed, partition, width, fused):

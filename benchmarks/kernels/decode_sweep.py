@@ -6,6 +6,7 @@ case to OUT/decode_sweep.json.
 
     python benchmarks/kernels/decode_sweep.py --out $OUT                    # ~4 min
     python benchmarks/kernels/decode_sweep.py --out $OUT --kv-dtypes fp8 --cases 240:400:1400
+    python benchmarks/kernels/decode_sweep.py --out $OUT --grid combine --kv-dtypes bf16 --cases 1:128:640,64:900:1800
     python benchmarks/kernels/decode_sweep.py --cpu-smoke --out /tmp/ds     # tiny heads, TRITON_INTERPRET=1
 """
 
@@ -44,13 +45,17 @@ SMALL_GRID = [dict(partition_size=2048, block_n=n, num_warps=4, num_stages=s, ma
 REDUCE_GRID = [dict(partition_size=p, fused_reduce=f) for p in (512, 1024, 2048) for f in (True, False)] + \
     [dict(fused_reduce=f) for f in (False, True)]
 
+# the partials combined 1 to 16 partitions per round of loads (the default: 8 for the 8B shape's small batches,
+# 2 from 64 (sequence, kv head) pairs on), at the default partitions
+COMBINE_GRID = [dict(combine_chunk=c) for c in (1, 2, 4, 8, 16)]
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-dtypes", default="bf16,fp8")
-    ap.add_argument("--grid", choices=("full", "small", "reduce"), default="full")
+    ap.add_argument("--grid", choices=("full", "small", "reduce", "combine"), default="full")
     ap.add_argument("--cases", default="240:400:1400,64:900:1800", help="B:lo:hi, comma-separated")
     from timing import parse_args
 
@@ -64,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from vserve.kernels.paged_attention import paged_decode_attention_ref
 
     H, kvh, d, dtype, dev = 32, 8, 128, torch.bfloat16, "cuda"  # the Llama-3-8B shape
-    configs = {"full": grid, "small": lambda: SMALL_GRID, "reduce": lambda: REDUCE_GRID}[args.grid]()
+    configs = {"full": grid, "small": lambda: SMALL_GRID, "reduce": lambda: REDUCE_GRID,
+               "combine": lambda: COMBINE_GRID}[args.grid]()
     if args.cpu_smoke:  # two launches of the grid over a small table: the script's steps, nothing measured
         H, kvh, d, dtype, dev, configs = 4, 2, 32, torch.float16, "cpu", REDUCE_GRID[:2]
         args.max_model_len, args.cases, args.kv_dtypes = 256, "3:20:100", "fp16"
