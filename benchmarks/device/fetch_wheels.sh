@@ -17,6 +17,8 @@ done
 # pyproject's lowest transformers: it loads tokenizers without torch and works with the image's huggingface-hub 1.33
 # (later ones want hub >= 2.4 and the `kernels` package)
 python3 -m pip download -q $P transformers==5.18.0 2>&1 | grep -v "^WARNING" || true
+# gemlite (pure Triton low-bit GEMMs; #31 times it beside the W4A16 kernels): an sdist only, built into a wheel here
+python3 -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .whl 2>&1 | grep -v "^WARNING" || true
 tok=$(ls -d "${VSERVE_CACHE:-$HOME/.cache/vserve}"/SmolLM2-135M-Instruct-* | head -1)
 cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$tok"/chat_template.jinja .whl/smoltok/
 git rev-parse --short HEAD > .whl/REV
