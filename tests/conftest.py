@@ -20,6 +20,11 @@ import vserve  # noqa: E402, F401  (first: it takes the checkout's root off sys.
 
 sys.path.append(str(Path(__file__).parent))  # test helper modules (hf_cache, hub_server) import by name
 
+if os.environ["TRITON_INTERPRET"] == "1":
+    import triton_interp  # noqa: E402
+
+    triton_interp.install()  # helper calls inside an interpreted launch skip the language's re-patching
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
