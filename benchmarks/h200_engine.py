@@ -57,12 +57,16 @@ def section_correct(res: dict, cfg: dict, device: str, dtype: torch.dtype, key: 
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype).eval()
     hf.save_pretrained(folder, safe_serialization=True)  # vserve reads it through its own loader
+    hf.to("cpu")  # one fp32 9B model at a time on the GPU (37 GB each): the check fits an 80 GB card
+    free_gpu()
     prompts, _ = workload(4, 1, cfg["vocab_size"], (32, 32), in_len=(20, 200))
     llm = LLM(folder, dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=1024)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
                                                                                  ignore_eos=True), use_tqdm=False)]
     llm.llm_engine.shutdown()
     del llm
+    free_gpu()
+    hf.to(device)
     rows = []
     with torch.inference_mode():
         for p, g in zip(prompts, got):
