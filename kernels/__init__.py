@@ -13,7 +13,7 @@ _NAMES = ("store_kvcache", "paged_decode_attention", "paged_prefill_attention", 
           "silu_and_mul", "rotary_embedding", "fused_moe", "w4a16_gemm", "per_token_quant", "fp8_linear",
           "int8_linear", "fp8_mm", "int8_mm", "rms_norm_quant", "fused_add_rms_norm_quant", "silu_and_mul_quant",
           "sample_from_logits", "apply_token_bitmask", "lora_shrink", "lora_expand", "store_latent",
-          "mla_decode_attention", "mla_prefill_attention")
+          "mla_decode_attention", "mla_prefill_attention", "rope_store_kvcache")
 
 
 @cache

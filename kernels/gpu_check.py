@@ -280,7 +280,28 @@ def check_ops(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool
     qr, kr = ops_ref.rotary_embedding_ref(pos, q, k, cos, sin)
     rows.append(row("rotary_embedding", torch.cat([qo.flatten(1), ko.flatten(1)], 1),
                     torch.cat([qr.flatten(1), kr.flatten(1)], 1)))
+    rows.append(check_rope_store(name, m, dt, pos, qkv, cos, sin))
     return rows
+
+
+def check_rope_store(name: str, m: ModelShape, dt: str, pos: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> CheckRow:
+    """rope_store_kvcache (RoPE in the KV store's launch) against rotary_embedding then store_kvcache: the same
+    rotated q and the same cache bytes (a quarter of the slots padding)."""
+    from vserve.kernels import triton_attention, triton_ops
+
+    H, kvh, d, T = m.num_heads, m.num_kv_heads, m.head_dim, qkv.shape[0]
+    q, k, v = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
+    bs = 16
+    slots = torch.randperm(-(-T // bs) * 2 * bs, device=qkv.device)[:T]
+    slots[torch.rand(T, device=qkv.device) < 0.25] = -1
+    caches = [torch.randn(-(-T // bs) * 2, bs, kvh, d, dtype=qkv.dtype, device=qkv.device) for _ in range(2)]
+    kc, vc, kc2, vc2 = caches[0], caches[1], caches[0].clone(), caches[1].clone()
+    qo = triton_attention.rope_store_kvcache(pos, q, k, v, cos, sin, kc, vc, slots)
+    q2, k2 = triton_ops.rotary_embedding(pos, q, k, cos, sin)
+    triton_attention.store_kvcache(k2, v, kc2, vc2, slots)
+    err = max(_err(qo, q2), _err(kc, kc2), _err(vc, vc2))
+    return CheckRow("rope_store_kvcache", f"{name} T={T}", dt, err, err == 0, "exact (vs the two kernels)")
 
 
 def check_quant(case: str, dt: str, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor,
@@ -637,6 +658,42 @@ def bench_sampling(name: str, m: ModelShape, dev: str, tiny: bool, sweep: bool) 
     return rows
 
 
+def bench_rope_store(name: str, m: ModelShape, dtype: torch.dtype, dev: str, tiny: bool) -> list[BenchRow]:
+    """rope_store_kvcache (one launch a layer) against rotary_embedding then store_kvcache (two), CUDA-graphed as a
+    decode step runs them; GB/s of q, k and v read and q, k and v written once."""
+    from vserve.kernels import triton_attention
+
+    rows: list[BenchRow] = []
+    H, kvh, d, bs = m.num_heads, m.num_kv_heads, m.head_dim, 16
+    half = d // 2
+    freqs = torch.outer(torch.arange(8192, device=dev).float(), 1.0 / (500000.0 ** (torch.arange(half, device=dev)
+                                                                                    / half)))
+    cos, sin = freqs.cos(), freqs.sin()
+    for T in (4,) if tiny else (1, 8, 64, 256):
+        qkv = torch.randn(T, H + 2 * kvh, d, dtype=dtype, device=dev)
+        q, k, v = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
+        pos = torch.randint(0, 8192, (T,), device=dev)
+        kc = torch.zeros(-(-T // bs) * 4, bs, kvh, d, dtype=dtype, device=dev)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(kc.shape[0] * bs, device=dev)[:T]
+        nbytes = 2 * qkv.numel() * qkv.element_size()
+        args = (pos, q, k, v, cos, sin, kc, vc, slots)
+        case = f"{name} T={T}"
+        _timed(rows, "rope + kv store", case, "rope_store_kvcache (one launch)",
+               partial(triton_attention.rope_store_kvcache, *args), nbytes, "GB/s", dev)
+        _timed(rows, "rope + kv store", case, "rotary_embedding, store_kvcache (two)",
+               partial(_rope_then_store, *args), nbytes, "GB/s", dev)
+    return rows
+
+
+def _rope_then_store(pos, q, k, v, cos, sin, kc, vc, slots) -> torch.Tensor:
+    from vserve.kernels import triton_attention, triton_ops
+
+    qo, ko = triton_ops.rotary_embedding(pos, q, k, cos, sin)
+    triton_attention.store_kvcache(ko, v, kc, vc, slots)
+    return qo
+
+
 def _sdpa_flash(q, k, v, scale, enable_gqa):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -766,6 +823,9 @@ def main(argv: list[str] | None = None) -> int:
               + format_table(BENCH_HEADER, [r.cells(b) for r, b in rows]) + "\n")
         rows = [r for name in names for r in bench_sampling(name, table[name], dev, args.tiny, args.sweep)]
         flush("## Sampling (float32 logits; GB/s of logits read once)\n\n"
+              + format_table(BENCH_HEADER, [r.cells() for r in rows]) + "\n")
+        rows = [r for name in names for r in bench_rope_store(name, table[name], dtype, dev, args.tiny)]
+        flush(f"## RoPE + KV store ({dtype}; GB/s of q, k, v read and written once)\n\n"
               + format_table(BENCH_HEADER, [r.cells() for r in rows]) + "\n")
         rows = [r for name in names for r in bench_lora(name, table[name], dtype, dev, args.tiny)]
         flush(f"## LoRA ({dtype}; shrink + expand against the projection's GEMM, TFLOP/s of each one's own work)\n\n"

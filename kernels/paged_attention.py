@@ -32,6 +32,18 @@ def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
+def rope_store_kvcache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of q and k (as rotary_embedding_ref), the rotated k and v written into their slots (as
+    store_kvcache_ref): the attention layer's first two steps in one call. Returns the rotated q."""
+    from vserve.kernels.ops_ref import rotary_embedding_ref
+
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin)
+    store_kvcache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
     """The first n cached tokens of one sequence: [n, kvh, d]."""
     bs = cache.shape[1]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _ptx, arrival_counts, pdl_enter, pdl_launch, round_to_e4m3
+from vserve.kernels.triton_ops import _ptx, _rotate_heads, arrival_counts, pdl_enter, pdl_launch, round_to_e4m3
 
 _LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
@@ -110,6 +110,72 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                                 v_cache.stride(2), kvh, d, FP8=k_cache.dtype == torch.float8_e4m3fn,
                                 BLOCK_H=triton.next_power_of_2(kvh),
                                 BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps, **pdl_launch(k.device))
+
+
+@triton.jit
+def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+                       stride_kct, stride_kch, stride_vct, stride_vch, stride_cos, stride_sin, H, KVH, half,
+                       D: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """One token: its q heads rotated into qo; its k heads rotated, rounded to k's dtype (as the separate rotary
+    kernel's output) and then to the cache's, and its v heads, written into its slot (-1: padding, not written)."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H, half, c, s, BLOCK_H,
+                  BLOCK_HALF)
+    h = tl.arange(0, BLOCK_KVH)[:, None]
+    kmask = (h < KVH) & (j < half) & (slot >= 0)
+    k_row = k_ptr + t * stride_kt + h * stride_kh
+    x1 = tl.load(k_row + j, mask=kmask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_row + half + j, mask=kmask, other=0.0).to(tl.float32)
+    k_dtype = k_ptr.dtype.element_ty
+    r1 = (x1 * c - x2 * s).to(k_dtype)
+    r2 = (x2 * c + x1 * s).to(k_dtype)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    vmask = (h < KVH) & (d < D) & (slot >= 0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=vmask)
+    if FP8:
+        r1, r2 = round_to_e4m3(r1.to(tl.float32)), round_to_e4m3(r2.to(tl.float32))
+        v = round_to_e4m3(v.to(tl.float32))
+    kc_row = kc_ptr + slot * stride_kct + h * stride_kch
+    cache_dtype = kc_ptr.dtype.element_ty
+    tl.store(kc_row + j, r1.to(cache_dtype), mask=kmask)
+    tl.store(kc_row + half + j, r2.to(cache_dtype), mask=kmask)
+    tl.store(vc_ptr + slot * stride_vct + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty), mask=vmask)
+
+
+def rope_store_kvcache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
+    """As rope_store_kvcache_ref: rotary_embedding of q and k and store_kvcache of the rotated k and v in one
+    launch (the rotated k is never written to memory but in the cache). q/k/v may be views of the packed qkv
+    projection (unit last stride). Returns the rotated q."""
+    T, H, d = q.shape
+    kvh = k.shape[1]
+    half = d // 2
+    assert k.shape == v.shape == (T, kvh, d) and d % 2 == 0 and cos.shape[-1] == half and sin.shape[-1] == half, \
+        (q.shape, k.shape, v.shape, cos.shape)
+    _check_cache(k_cache, v_cache)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    _rope_store_kernel[(T,)](positions.contiguous(), q, k, v, cos, sin, q_out, k_cache, v_cache,
+                             slot_mapping.contiguous(), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                             v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_cache.stride(1),
+                             k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), cos.stride(0), sin.stride(0),
+                             H, kvh, half, D=d, FP8=k_cache.dtype == torch.float8_e4m3fn,
+                             BLOCK_H=triton.next_power_of_2(H), BLOCK_KVH=triton.next_power_of_2(kvh),
+                             BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
+                             num_warps=num_warps, **pdl_launch(q.device))
+    return q_out
 
 
 # ---------------------------------------------------------------------------------------------------- decode

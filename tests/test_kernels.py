@@ -295,6 +295,90 @@ def test_rotary_embedding_matches_reference(seed, dtype, H, kvh, d):
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,kvh,d,bs", [(4, 2, 64, 16), (3, 1, 96, 8)])
+def test_rope_fused_into_the_kv_store_equals_the_two_kernels(seed, dtype, cache_dtype, H, kvh, d, bs):
+    """rope_store_kvcache (the attention layer's RoPE in its KV store's launch) writes bit for bit what
+    rotary_embedding then store_kvcache write, returns the same rotated q, skips padding slots, leaves its inputs
+    alone, and agrees with its reference (an fp8 cache: on the e4m3 grid as the reference rounds)."""
+    from vserve.core.layers.rotary import RotaryEmbedding
+    from vserve.kernels.paged_attention import rope_store_kvcache_ref
+
+    rope = RotaryEmbedding(d, 512, 10000.0).to(DEVICE)
+    T, num_blocks = 13, 3
+    qkv = torch.randn(T, H + 2 * kvh, d, dtype=dtype, device=DEVICE) * (20 if cache_dtype else 1)
+    q, k, v = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]  # views with the packed projection's strides
+    qkv0 = qkv.clone()
+    positions = torch.randint(0, 512, (T,), device=DEVICE)
+    slots = torch.randperm(num_blocks * bs, device=DEVICE)[:T]
+    slots[::4] = -1
+    cdt = cache_dtype or dtype
+
+    def caches():
+        if cdt == torch.float8_e4m3fn:
+            return [torch.zeros(num_blocks, bs, kvh, d, dtype=cdt, device=DEVICE) for _ in range(2)]
+        return [_poisoned((num_blocks, bs, kvh, d), cdt) for _ in range(2)]
+
+    (kc, vc), (kc2, vc2), (kcr, vcr) = caches(), caches(), caches()
+    qo = triton_attention.rope_store_kvcache(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots)
+    q2, k2 = triton_ops.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    triton_attention.store_kvcache(k2, v, kc2, vc2, slots)
+    qr = rope_store_kvcache_ref(positions, q, k, v, rope.cos, rope.sin, kcr, vcr, slots)
+    assert torch.equal(qo, q2), seed
+    for got, want in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed  # NaN padding slots included
+    _close(qo, qr, dtype, seed)
+    if cdt == torch.float8_e4m3fn:
+        for got, want in ((kc, kcr), (vc, vcr)):  # k rounded to its dtype first, as both paths do
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed
+    else:
+        _close(kc, kcr, dtype, seed, equal_nan=True)
+        _close(vc, vcr, dtype, seed, equal_nan=True)
+        written = int(kc.flatten(0, 1).isnan().all(-1).all(-1).logical_not().sum())  # the poison left elsewhere
+        assert written == int((slots >= 0).sum()), seed
+    assert torch.equal(qkv, qkv0), seed
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_attention_layer_with_rope_in_its_store_equals_rotate_then_attend(seed, monkeypatch, use_triton):
+    """The attention layer given rope=(positions, cos, sin) returns and caches what rotating q and k first and
+    then attending does, for a step of two decodes and a prefill chunk, on the references (the CPU path) and on
+    the Triton kernels; only whole-head rotate-half RoPE takes that path (partial and interleaved rotate first)."""
+    from vserve import kernels
+    from vserve.core.layers import attention as attention_module
+    from vserve.core.layers.attention import Attention, AttentionMetadata
+    from vserve.core.layers.rotary import RotaryEmbedding
+
+    ops = kernels._triton() if use_triton else kernels._reference()
+    monkeypatch.setattr(attention_module, "for_device", lambda t: ops)
+    H, kvh, d, bs, dtype = 4, 2, 64, 16, torch.float32
+    rope = RotaryEmbedding(d, 512, 10000.0).to(DEVICE)
+    assert rope.rotates_whole_heads
+    assert not RotaryEmbedding(d, 512, 10000.0, rotary_dim=d // 2).rotates_whole_heads
+    assert not RotaryEmbedding(d, 512, 10000.0, interleaved=True).rotates_whole_heads
+    ctx = [5, 20, 7]  # two decode rows (one query at ctx - 1) and a 7-token prefill chunk from position 0
+    table = torch.tensor([[4, 0], [1, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
+    pos = [4, 19, *range(7)]
+    rows = [0, 1] + [2] * 7
+    positions = torch.tensor(pos, device=DEVICE)
+    slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for r, p in zip(rows, pos)], device=DEVICE)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=table, context_lens=torch.tensor(ctx, device=DEVICE),
+                           num_decodes=2, cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32, device=DEVICE))
+    qkv = torch.randn(len(pos), H + 2 * kvh, d, dtype=dtype, device=DEVICE)
+    q, k, v = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
+    caches = [torch.randn(5, bs, kvh, d, dtype=dtype, device=DEVICE) for _ in range(2)]  # the contexts' history
+    layers = [Attention(H, kvh, d, d**-0.5) for _ in range(2)]
+    layers[0].k_cache, layers[0].v_cache = caches[0].clone(), caches[1].clone()
+    layers[1].k_cache, layers[1].v_cache = caches[0].clone(), caches[1].clone()
+    fused = layers[0](q, k, v, md, rope=(positions, rope.cos, rope.sin))
+    q2, k2 = ops.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    plain = layers[1](q2, k2, v, md)
+    assert torch.equal(fused, plain), seed
+    assert torch.equal(layers[0].k_cache, layers[1].k_cache) and torch.equal(layers[0].v_cache, layers[1].v_cache)
+    assert not torch.equal(layers[0].k_cache, caches[0]), seed  # this step's k was written
+
+
 # ---------------------------------------------------------------------------------------------------- gpu_check
 
 

@@ -18,6 +18,8 @@
 #         128,256-token vocabulary, then ROWS (default: 8b_bs1)
 #   goals the H200 rows an issue still waits on, shortest first: 8b_bs1 (#24), the JSON row with SmolLM2's tokenizer
 #         (#29), then fam's float32 check (#25; FAM_S, FAM_SHAPES), then ROWS if given
+#   rope  RoPE fused into the KV store (rope_store_kvcache) on the 8B shape in bf16: checked bit for bit against
+#         rotary_embedding + store_kvcache and timed against them at 1-256 tokens (#24's batch-1 row)
 #   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
 #         time (#24's batch-1 row), then ROWS if given
 # MODE may name several, comma-separated (sv,bs1): each writes under $OUT/MODE, and a ROWS given applies to every one.
@@ -94,6 +96,17 @@ open(sys.argv[1], "w").write(text)
 print(text)
 PY
   rows 8b_bs1 ;;
+rope)  # #24's batch 1: RoPE in the KV store's launch against the two kernels, checked and timed on the 8B shape
+  timeout 120 python3 - > "$OUT/rope.md" 2> "$OUT/rope.log" <<'PY'
+import torch
+from vserve.kernels import gpu_check as g
+m, dt = g.MODELS["llama3-8b"], torch.bfloat16
+rows = [r for r in g.check_ops("llama3-8b", m, dt, "cuda", False) if "rotary" in r.kernel or "rope" in r.kernel]
+bench = g.bench_rope_store("llama3-8b", m, dt, "cuda", False)
+print(g.format_table(g.CHECK_HEADER, [r.cells() for r in rows]) + "\n\n"
+      + g.format_table(g.BENCH_HEADER, [r.cells() for r in bench]))
+PY
+  cat "$OUT/rope.md" ;;
 bs1)
   timeout 150 python3 benchmarks/engine_host_profile.py 8b 0 40 --requests 1 --torch-profile "$OUT/tp" \
     > "$OUT/bs1prof.txt" 2>&1

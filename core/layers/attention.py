@@ -33,10 +33,16 @@ class Attention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, d], k/v [T, kvh, d] -> [T, H, d]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, H, d], k/v [T, kvh, d] -> [T, H, d]. rope (positions, cos, sin): q and k not rotated yet; their
+        rotate-half RoPE is applied in the same launch as the KV store (rope_store_kvcache)."""
         ops = for_device(q)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if rope is None:
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        else:
+            positions, cos, sin = rope
+            q = ops.rope_store_kvcache(positions, q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping)
         nd = md.num_decodes
         kw = {}  # only when set: the plain calls stay the ones every kernel test and benchmark makes
         if self.sliding_window is not None:

@@ -110,6 +110,7 @@ class RotaryEmbedding(nn.Module):
                  rotary_dim: int | None = None, interleaved: bool = False) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
+        self._head_dim = head_dim
         self.interleaved = interleaved
         if (scaling or {}).get("rope_type") == "yarn" and not scaling.get("factor"):  # DeepSeek-V3: from the lengths
             scaling = {**scaling, "factor": _yarn_factor(scaling, max_position)}
@@ -123,6 +124,11 @@ class RotaryEmbedding(nn.Module):
         # float32 tables [max_position, rotary_dim / 2]; gathered per step by position.
         self.register_buffer("cos", freqs.cos() * attn, persistent=False)
         self.register_buffer("sin", freqs.sin() * attn, persistent=False)
+
+    @property
+    def rotates_whole_heads(self) -> bool:
+        """Rotate-half over the whole head: the attention layer may fuse it into its KV store (rope_store_kvcache)."""
+        return not self.interleaved and self.rotary_dim == self._head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, H, d], k [T, kvh, d] -> rotated copies (kernels: rotary_embedding for rotate-half)."""

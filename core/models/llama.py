@@ -58,9 +58,13 @@ class QKVAttention(nn.Module):
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d), v.view(T, self.kvh, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, md)  # v: a view of qkv; the KV store takes its strides
+        rope = self.rotary_emb
+        if rope is not None and rope.rotates_whole_heads:  # RoPE in the KV store's launch
+            o = self.attn(q, k, v, md, rope=(positions, rope.cos, rope.sin))
+        else:
+            if rope is not None:
+                q, k = rope(positions, q, k)
+            o = self.attn(q, k, v, md)  # v: a view of qkv; the KV store takes its strides
         return self.o_proj(o.reshape(T, self.h * self.d))
 
 
