@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from vserve.kernels.triton_ops import _ptx, _rotate_heads, arrival_counts, pdl_enter, pdl_launch, round_to_e4m3
+from vserve.kernels.triton_ops import (
+    _ptx,
+    _rope_row,
+    _rotate_heads,
+    arrival_counts,
+    pdl_enter,
+    pdl_launch,
+    round_to_e4m3,
+)
 
 _LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
@@ -122,11 +130,9 @@ def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, k
     kernel's output) and then to the cache's, and its v heads, written into its slot (-1: padding, not written)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    c, s = _rope_row(pos_ptr + t, cos_ptr, sin_ptr, stride_cos, stride_sin, half, BLOCK_HALF)
     j = tl.arange(0, BLOCK_HALF)[None, :]
-    c = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H, half, c, s, BLOCK_H,
                   BLOCK_HALF)
     h = tl.arange(0, BLOCK_KVH)[:, None]

@@ -179,15 +179,22 @@ def _rotate_heads(x_ptr, o_ptr, stride_h, stride_oh, num_heads, half, c, s, BLOC
 
 
 @triton.jit
+def _rope_row(pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin, half, BLOCK_HALF: tl.constexpr):
+    """The cos and sin rows ([1, BLOCK_HALF], fp32, zero past half) of the position at pos_ptr."""
+    pos = tl.load(pos_ptr).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos, stride_sin, H, KVH, half,
                    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    c = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
+    c, s = _rope_row(pos_ptr + t, cos_ptr, sin_ptr, stride_cos, stride_sin, half, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H, half, c, s, BLOCK_H,
                   BLOCK_HALF)
     _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, KVH, half, c, s, BLOCK_KVH,
