@@ -343,8 +343,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     fills the GPU); KV tiles of 64 tokens, 128 for head dims <= 64 or an fp8 cache; 2 pipeline stages. Over an
     fp8 cache with bf16 queries the dots run in fp16 (benchmarks/fp8_kv_decode.py: e4m3 -> fp16 converts faster
     than e4m3 -> bf16), and V is converted in registers before its layout change (_e4m3_to_f16). The partials are
-    combined combine_chunk partitions at a time (a power of two; default: 8 for the 8B shape when B * kvh < 64,
-    a batch-1 step's 2-10 partitions of 64 tokens in one or two rounds of loads, else 2).
+    combined combine_chunk partitions at a time (a power of two; default: 1 when B * kvh < 64, else 4 for the 8B
+    shape, 2048 // (GROUP_C * BLOCK_D): an H100 sweep, benchmarks/data/s39/, found 4 and 8 30-92% slower than 1
+    at 1 and 4 sequences, and 4 at 64 sequences 6% faster than 1 or 2).
     """
     B, H, d = q.shape
     _check_cache(k_cache, v_cache)
@@ -379,7 +380,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # the combine's chunk: up to 4,096 fp32 values of acc in flight where rows have many short partitions (the
     # registers it takes cost nothing when few programs run), 1,024 (the kernel's registers as with one partition at
     # a time: the occupancy of large batches kept) where partitions are long
-    chunk = combine_chunk or max(1, min(16, (4096 if small_batch else 1024) // (group_c * block_d)))
+    chunk = combine_chunk or (1 if small_batch else max(1, min(16, 2048 // (group_c * block_d))))
     assert chunk & (chunk - 1) == 0, chunk
     _decode_partition_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l, out if counts is None else counts,

@@ -45,8 +45,8 @@ SMALL_GRID = [dict(partition_size=2048, block_n=n, num_warps=4, num_stages=s, ma
 REDUCE_GRID = [dict(partition_size=p, fused_reduce=f) for p in (512, 1024, 2048) for f in (True, False)] + \
     [dict(fused_reduce=f) for f in (False, True)]
 
-# the partials combined 1 to 16 partitions per round of loads (the default: 8 for the 8B shape's small batches,
-# 2 from 64 (sequence, kv head) pairs on), at the default partitions
+# the partials combined 1 to 16 partitions per round of loads (the default: 1 below 64 (sequence, kv head) pairs,
+# 4 for the 8B shape from there), at the default partitions
 COMBINE_GRID = [dict(combine_chunk=c) for c in (1, 2, 4, 8, 16)]
 
 
