@@ -17,7 +17,8 @@
 #   samp  the sampling kernels (#24's batch 1): the split path's check and bench (with --sweep's launches) on the 8B's
 #         128,256-token vocabulary, then ROWS (default: 8b_bs1)
 #   goals the H200 rows an issue still waits on, shortest first: 8b_bs1 (#24), the JSON row with SmolLM2's tokenizer
-#         (#29), then fam's float32 check (#25; FAM_S, FAM_SHAPES), then ROWS if given
+#         (#29), then fam's float32 check (#25; FAM_S; FAM_SHAPES, here gemma2_9b unless given: Phi-3-mini's passed
+#         on H100s in sessions 32 and 39), then ROWS if given
 #   rope  RoPE fused into the KV store (rope_store_kvcache) on the 8B shape in bf16: checked bit for bit against
 #         rotary_embedding + store_kvcache and timed against them at 1-256 tokens (#24's batch-1 row)
 #   bs1   the 8B batch-1 decode step under torch.profiler (engine_host_profile --requests 1): its kernels by device
@@ -116,7 +117,7 @@ goals)
   top=$OUT; mkdir -p "$top/bs1" "$top/json" "$top/fam"
   OUT=$top/bs1 ROWS=8b_bs1 ROWS_S=60 rows ""
   OUT=$top/json VSERVE_BENCH_TOKENIZER=.whl/smoltok ROWS=8b_sv_512_json ROWS_S=80 rows ""
-  OUT=$top/fam bash "$0" fam
+  OUT=$top/fam FAM_SHAPES=${FAM_SHAPES:-gemma2_9b} bash "$0" fam
   ;;
 rows)
   rows "" ;;
