@@ -21,6 +21,7 @@ from vserve.kernels.triton_ops import (
     _ptx,
     _rope_row,
     _rotate_heads,
+    _rotated_halves,
     arrival_counts,
     pdl_enter,
     pdl_launch,
@@ -137,12 +138,9 @@ def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, k
                   BLOCK_HALF)
     h = tl.arange(0, BLOCK_KVH)[:, None]
     kmask = (h < KVH) & (j < half) & (slot >= 0)
-    k_row = k_ptr + t * stride_kt + h * stride_kh
-    x1 = tl.load(k_row + j, mask=kmask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_row + half + j, mask=kmask, other=0.0).to(tl.float32)
+    r1, r2 = _rotated_halves(k_ptr + t * stride_kt, stride_kh, kmask, half, c, s, BLOCK_KVH, BLOCK_HALF)
     k_dtype = k_ptr.dtype.element_ty
-    r1 = (x1 * c - x2 * s).to(k_dtype)
-    r2 = (x2 * c + x1 * s).to(k_dtype)
+    r1, r2 = r1.to(k_dtype), r2.to(k_dtype)
     d = tl.arange(0, BLOCK_D)[None, :]
     vmask = (h < KVH) & (d < D) & (slot >= 0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=vmask)

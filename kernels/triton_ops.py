@@ -166,16 +166,26 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> t
 
 
 @triton.jit
+def _rotated_halves(x_ptr, stride_h, mask, half, c, s, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate-half RoPE of the heads at x_ptr ([BLOCK_H, BLOCK_HALF] tiles, rows h * stride_h): the two rotated
+    halves in fp32 (the caller rounds them)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    x1 = tl.load(x_ptr + h * stride_h + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * stride_h + half + j, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def _rotate_heads(x_ptr, o_ptr, stride_h, stride_oh, num_heads, half, c, s, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (j < half)
-    x1 = tl.load(x_ptr + h * stride_h + j, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + h * stride_h + half + j, mask=mask, other=0.0).to(tl.float32)
+    r1, r2 = _rotated_halves(x_ptr, stride_h, mask, half, c, s, BLOCK_H, BLOCK_HALF)
     dtype = o_ptr.dtype.element_ty
-    tl.store(o_ptr + h * stride_oh + j, (x1 * c - x2 * s).to(dtype), mask=mask)
-    tl.store(o_ptr + h * stride_oh + half + j, (x2 * c + x1 * s).to(dtype), mask=mask)
+    tl.store(o_ptr + h * stride_oh + j, r1.to(dtype), mask=mask)
+    tl.store(o_ptr + h * stride_oh + half + j, r2.to(dtype), mask=mask)
 
 
 @triton.jit
