@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import inspect
 import threading
+from functools import cache
 
 _state = threading.local()
 
 
+@cache  # a helper's module globals hold the same language modules on every call
 def _language_modules(fn) -> frozenset[int]:
     import triton.language as tl
 
@@ -23,7 +25,7 @@ def _language_modules(fn) -> frozenset[int]:
 
 
 def install() -> bool:
-    """Wrap the interpreter's launch and helper call; True when installed (triton 3.6.x with the expected hooks)."""
+    """Wrap the interpreter's launch and helper call; True when installed (triton 3.6.x only)."""
     import triton
 
     if not triton.__version__.startswith("3.6."):
