@@ -15,8 +15,11 @@ The table is keyed by device name (torch.cuda.get_device_name; "cpu" for the CPU
   missing ones from tc_default_config) or "dequant" (dequantize the tc layout + cuBLAS).
 A row entry serves M from its key up to the next key (the smallest key serves anything below it); keys starting with
 "_" are notes (measured times). Missing rows: path
-"auto" (checkpoint) or "tc" (tc). The file as committed maps everything to "checkpoint"/"auto": today's behaviour,
-so an untuned table never makes the engine slower; benchmarks/kernels/w4a16.py --tune writes tuned entries.
+"auto" (checkpoint) or "tc" (tc). A device entry may name another device as {"same_as": "<device name>"}: its shapes
+and default stand in for the ones it lacks (a GPU of the same architecture that --tune has not run on yet: the H200
+takes the H100's launches until its own are tuned). Devices the table does not name, and the CPU, keep
+"checkpoint"/"auto": today's behaviour, so an untuned GPU is never made slower; benchmarks/kernels/w4a16_tc.py --tune
+writes tuned entries.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def table(path: str | None = None) -> dict:
             unknown = {k for k in row if not k.startswith("_")} - {"path", *LAUNCH_KEYS}  # "_...": notes
             if unknown:
                 raise ValueError(f"{path}: {where}: rows[{m!r}] has unknown keys {sorted(unknown)}")
+    devices = t.get("devices", {})
+    for dev, d in devices.items():
+        like = d.get("same_as")
+        if like is not None and (like not in devices or like == dev or "same_as" in devices[like]):
+            raise ValueError(f"{path}: devices[{dev!r}].same_as = {like!r}: it must name another device of the table "
+                             "that has its own entries (no same_as)")
     return t
 
 
@@ -66,11 +75,15 @@ def device_name(device: torch.device) -> str:
 
 
 def entry(dev: str, N: int, K: int, t: dict | None = None) -> dict:
-    """The table entry of an [N, K] weight on device `dev` (device_name): its shape's, else the device's default,
-    else the global default."""
+    """The table entry of an [N, K] weight on device `dev` (device_name): its shape's, else (where it names one as
+    same_as) that device's shape entry, else the device's default, then the same_as device's, else the global one."""
     t = t if t is not None else table()
-    d = t.get("devices", {}).get(dev, {})
-    return d.get("shapes", {}).get(f"N={N},K={K}") or d.get("default") or t.get("default") or {}
+    devices = t.get("devices", {})
+    d = devices.get(dev, {})
+    like = devices.get(d["same_as"], {}) if "same_as" in d else {}
+    key = f"N={N},K={K}"
+    return (d.get("shapes", {}).get(key) or like.get("shapes", {}).get(key) or d.get("default")
+            or like.get("default") or t.get("default") or {})
 
 
 def layout_for(device: torch.device, N: int, K: int) -> str:

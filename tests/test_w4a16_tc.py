@@ -227,7 +227,9 @@ def test_the_committed_table_keeps_todays_paths_where_untuned():
     assert w4a16_dispatch.layout_for(torch.device("cpu"), 28672, 4096) == "checkpoint"
     assert w4a16_dispatch.entry("NVIDIA B200", 4096, 4096, t) == {"layout": "checkpoint"}
     for dev, d in t["devices"].items():
-        for shape, e in d["shapes"].items():
+        if "same_as" in d:  # an untuned GPU of a tuned one's architecture takes its entries
+            assert w4a16_dispatch.entry(dev, 4096, 4096, t) == w4a16_dispatch.entry(d["same_as"], 4096, 4096, t)
+        for shape, e in d.get("shapes", {}).items():
             assert e["layout"] == "tc" and "1" in e["rows"], (dev, shape)
             for m, row in e["rows"].items():  # each row was the faster of its measured tc and dequant paths
                 ms = row["_ms"]
@@ -243,12 +245,34 @@ def test_rows_serve_from_their_key_to_the_next_and_bad_tables_are_named(table_fi
     assert [w4a16_dispatch.choose(cpu, 64, 256, M)[0] for M in (1, 2, 63, 64, 5000)] == ["tc", "tc", "tc", "dequant",
                                                                                           "dequant"]
     assert w4a16_dispatch.choose(cpu, 64, 256, 3) == ("tc", {"block_m": 16, "split_k": 4})
+    table_file({"devices": {"cpu": {"same_as": "NVIDIA H100"}}})
+    with pytest.raises(ValueError, match=r"devices\['cpu'\].same_as = 'NVIDIA H100': it must name another device"):
+        w4a16_dispatch.table()
     table_file({"default": {"layout": "tc", "rows": {"1": {"path": "auto"}}}})
     with pytest.raises(ValueError, match=r"rows\['1'\].*paths for layout tc are tc, dequant"):
         w4a16_dispatch.table()
     table_file({"default": {"layout": "marlin"}})
     with pytest.raises(ValueError, match="layout must be one of checkpoint, tc, got 'marlin'"):
         w4a16_dispatch.table()
+
+
+def test_a_device_named_same_as_takes_the_others_entries_where_it_has_none(table_file):
+    """same_as: the device's own shapes first, then the named device's, then the own default, the named device's
+    default, the global default; a same_as that names no device, itself, or a device that borrows too is refused."""
+    tuned = {"layout": "tc", "rows": {"1": {"path": "tc", "block_m": 16}}}
+    own = {"layout": "tc", "rows": {"1": {"path": "dequant"}}}
+    table_file({"default": {"layout": "checkpoint"}, "devices": {
+        "cpu": {"same_as": "GPU A", "shapes": {"N=64,K=512": own}},
+        "GPU A": {"shapes": {"N=64,K=256": tuned, "N=64,K=512": tuned}, "default": {"layout": "tc"}}}})
+    cpu = torch.device("cpu")
+    assert w4a16_dispatch.choose(cpu, 64, 256, 1) == ("tc", {"block_m": 16})      # GPU A's shape
+    assert w4a16_dispatch.choose(cpu, 64, 512, 1) == ("dequant", {})               # its own shape wins
+    assert w4a16_dispatch.layout_for(cpu, 128, 128) == "tc"                        # GPU A's default
+    for bad in ({"cpu": {"same_as": "cpu"}},
+                {"cpu": {"same_as": "GPU A"}, "GPU A": {"same_as": "GPU B"}, "GPU B": {}}):
+        table_file({"devices": bad})
+        with pytest.raises(ValueError, match="same_as"):
+            w4a16_dispatch.table()
 
 
 def test_a_layer_repacks_once_at_load_where_the_table_says(table_file):
