@@ -9,7 +9,7 @@
 #   moe   fused_moe.py --tune (#26), its table put in kernels/ for this call, then ROWS (default: the DeepSeek-V2-Lite
 #         row; $OUT/fused_moe_configs.json is the file to commit)
 #   w4    w4a16_tc.py --tune (#31; its compiles spread over the CPUs), likewise, then ROWS (default: the W4 rows;
-#         none: no rows; commit $OUT/w4a16_configs.json)
+#         none: no rows; commit $OUT/w4a16_configs.json; W4_ARGS: more options, e.g. "--merge --rows 512,4096")
 #   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
@@ -75,7 +75,7 @@ w4ab)  # the tc kernel with and without WIDE at the same launches, vs cuBLAS bf1
     ${W4AB_SHAPES:+--shapes "$W4AB_SHAPES"} --out "$OUT" > "$OUT/w4ab.log" 2>&1
   grep "wide-ab" "$OUT/w4ab.log" | cut -c1-400 ;;
 w4)
-  timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune --out "$OUT" > "$OUT/w4_tune.log" 2>&1
+  timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune ${W4_ARGS:-} --out "$OUT" > "$OUT/w4_tune.log" 2>&1
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/
   [ "${ROWS:-}" = none ] || rows w4_bs1_bf16,w4_bs1_awq,w4_256_bf16,w4_256_awq ;;
 fam)  # #25's fp32 greedy check of the Gemma-2-9B and Phi-3-mini shapes against HF, then ROWS if given
