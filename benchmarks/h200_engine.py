@@ -12,6 +12,10 @@ weights, and beside the CPU float32 path on the embedded SmolLM2. Run on the H20
   --shapes 8b,gemma2_9b,gemma2_2b,phi3_mini runs both for each shape (Gemma-2-9B/2B, Phi-3-mini-128k: issue #25).
 - smollm2: the embedded SmolLM2 (VSERVE_SMOLLM2_GGUF, else the default model) in bf16 on the GPU, greedy, against
   the CPU float32 tokens of smollm2_cpu_reference.json (on the CPU, float32: they should be equal).
+- mla_graphs (not run unless named; issue #26): DeepSeek-V2 models decode eagerly (DeepseekV2ForCausalLM.cuda_graphs
+  is False) until their decode step has been checked in a CUDA graph. The DeepSeek-V2-Lite shape at 8 of its 27
+  layers, dummy weights (one seed), the engine in this process: greedy tokens with graphs forced on against eager in
+  float32 (TF32 off; 3 and 8 prompts, so padded graph sizes run too), then bf16 decode tok/s of both at batch 1 and 32.
 Throughput rows are h200_rows.py's (through the CLI); this script only compares tokens. JSON: OUT/h200_engine.json.
 """
 
@@ -28,11 +32,13 @@ from pathlib import Path
 
 import torch
 from common import (  # benchmarks/ is sys.path[0]
+    DEEPSEEK_V2_LITE,
     GEMMA2_2B,
     GEMMA2_9B,
     LLAMA3_8B,
     PHI3_MINI,
     TINY,
+    TINY_DEEPSEEK_V2,
     free_gpu,
     hf_config,
     model_folder,
@@ -100,13 +106,68 @@ def section_smollm2(res: dict, device: str, dtype: str) -> None:
     free_gpu()
 
 
+def section_mla_graphs(res: dict, cfg: dict, device: str) -> None:
+    """Greedy tokens and decode speed of an MLA model with CUDA graphs forced on, against eager (see the docstring)."""
+    from vserve import LLM, SamplingParams
+    from vserve.core.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    folder = model_folder(cfg)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts, _ = workload(8, 2, cfg["vocab_size"], (32, 32), in_len=(20, 300))
+
+    def engine(graphs: bool, dtype: str):
+        DeepseekV2ForCausalLM.cuda_graphs = graphs  # read by the model runner at start (the engine runs in process)
+        return LLM(folder, load_format="dummy", dtype=dtype, device=device, max_model_len=1024, max_num_seqs=32,
+                   engine_process=False, enforce_eager=not graphs)
+
+    def tokens(llm, batch):
+        return [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+
+    def tok_s(llm, n, new):
+        batch = [p[:128] for p in (prompts * 4)[:n]]
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+        return n * new / (time.perf_counter() - t0)
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    got, speed = {}, {}
+    try:
+        for graphs in (False, True):
+            llm = engine(graphs, "float32")
+            got[graphs] = [tokens(llm, prompts[:3]), tokens(llm, prompts)]
+            llm.llm_engine.shutdown()
+            del llm
+            free_gpu()
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        for graphs in (False, True):
+            llm = engine(graphs, "float32" if device == "cpu" else "bfloat16")
+            speed["graphs" if graphs else "eager"] = {f"batch_{n}_tok_s": tok_s(llm, n, 64 if device == "cpu" else 256)
+                                                      for n in (1, 32)}
+            llm.llm_engine.shutdown()
+            del llm
+            free_gpu()
+    finally:
+        DeepseekV2ForCausalLM.cuda_graphs = False
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    rows = [dict(batch=len(e), prompt=i, equal=a == b, first_divergence=next((j for j, (x, y) in enumerate(zip(a, b))
+                                                                              if x != y), None))
+            for e, g in zip(got[False], got[True]) for i, (a, b) in enumerate(zip(e, g))]
+    res["mla_graphs_vs_eager_fp32"] = rows
+    res["mla_graphs_decode"] = speed
+    res["mla_graphs_layers"] = cfg["num_hidden_layers"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--sections", default="correct,correct32,smollm2")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated (default: correct,correct32,smollm2; --cpu-smoke adds mla_graphs)")
     ap.add_argument("--shapes", default="8b", help=f"the correct sections' shapes, of {', '.join(SHAPES)}")
     ap.add_argument("--cpu-smoke", action="store_true", help="the checks on the CPU in float32, a tiny 8B-like shape")
     args = ap.parse_args(argv)
+    args.sections = args.sections or "correct,correct32,smollm2" + (",mla_graphs" if args.cpu_smoke else "")
     if args.cpu_smoke:
         torch.set_num_threads(1)
         device, shapes, low = "cpu", {"8b": TINY}, torch.float32
@@ -116,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("h200_engine.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
-    sections = {"smollm2": lambda r: section_smollm2(r, device, "float32" if args.cpu_smoke else "bfloat16")}
+    sections = {"smollm2": lambda r: section_smollm2(r, device, "float32" if args.cpu_smoke else "bfloat16"),
+                "mla_graphs": partial(section_mla_graphs, device=device, cfg=TINY_DEEPSEEK_V2 if args.cpu_smoke else
+                                      dict(DEEPSEEK_V2_LITE, num_hidden_layers=8))}
     for name, cfg in shapes.items():  # keys: correct_vs_hf[_fp32] for the 8B shape, ..._SHAPE for the others
         tag = "" if name == "8b" else f"_{name}"
         sections[f"correct{tag}"] = partial(section_correct, cfg=cfg, device=device, dtype=low,
@@ -144,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(res[key], list):
             print(f"{key}: {sum(r['equal'] for r in res[key])}/{len(res[key])} prompts equal; first divergences "
                   f"{[r['first_divergence'] for r in res[key]]}, HF logit gaps {[r['hf_logit_gap'] for r in res[key]]}")
+    if "mla_graphs_vs_eager_fp32" in res:
+        rows = res["mla_graphs_vs_eager_fp32"]
+        print(f"MLA with CUDA graphs == eager (float32): {sum(r['equal'] for r in rows)}/{len(rows)} prompts; decode "
+              f"tok/s {res['mla_graphs_decode']}")
     if "smollm2_equal_to_cpu_fp32" in res:
         print(f"smollm2 equal to the CPU float32 tokens: {res['smollm2_equal_to_cpu_fp32']}")
     return 1 if any(k.endswith("_error") for k in res) else 0

@@ -13,6 +13,8 @@
 #   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
+#   mla   h200_engine.py's mla_graphs (#26): an 8-layer DeepSeek-V2-Lite shape's greedy tokens with CUDA graphs forced
+#         on against eager in float32, and both one's decode tok/s in bf16 (MLA_S), then ROWS if given
 #   rows  ROWS alone (#25's HF peers: ROWS=gemma2_9b_512_hf_batch_half and phi3_mini_512_hf_batch_half, a call each)
 #   samp  the sampling kernels (#24's batch 1): the split path's check and bench (with --sweep's launches) on the 8B's
 #         128,256-token vocabulary, then ROWS (default: 8b_bs1)
@@ -120,6 +122,10 @@ goals)
   OUT=$top/json VSERVE_BENCH_TOKENIZER=.whl/smoltok ROWS=8b_sv_512,8b_sv_512_json ROWS_S=150 rows ""
   OUT=$top/fam FAM_SHAPES=${FAM_SHAPES:-phi3_mini,gemma2_2b} bash "$0" fam
   ;;
+mla)
+  timeout "${MLA_S:-240}" python3 benchmarks/h200_engine.py --sections mla_graphs --out "$OUT" > "$OUT/mla_graphs.log" 2>&1
+  tail -3 "$OUT/mla_graphs.log"
+  [ -n "${ROWS:-}" ] && rows "" ;;
 rows)
   rows "" ;;
 esac
