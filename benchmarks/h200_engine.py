@@ -130,7 +130,7 @@ def section_mla_graphs(res: dict, cfg: dict, device: str) -> None:
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)
         return n * new / (time.perf_counter() - t0)
 
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32, default = torch.backends.cuda.matmul.allow_tf32, DeepseekV2ForCausalLM.cuda_graphs
     torch.backends.cuda.matmul.allow_tf32 = False
     got, speed = {}, {}
     try:
@@ -149,7 +149,7 @@ def section_mla_graphs(res: dict, cfg: dict, device: str) -> None:
             del llm
             free_gpu()
     finally:
-        DeepseekV2ForCausalLM.cuda_graphs = False
+        DeepseekV2ForCausalLM.cuda_graphs = default
         torch.backends.cuda.matmul.allow_tf32 = tf32
     rows = [dict(batch=len(e), prompt=i, equal=a == b, first_divergence=next((j for j, (x, y) in enumerate(zip(a, b))
                                                                               if x != y), None))
