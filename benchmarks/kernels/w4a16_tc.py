@@ -18,12 +18,13 @@ that dtype), and the same bits on a second call (split-K summed in order). gemli
 the repacked weight, the table's path and launch or the defaults), `today` (w4a16_gemm on the AWQ checkpoint
 tensors, as the engine runs them now), `bf16` (F.linear, cuBLAS), `gemlite` (0.6.0.post2 A16W4 HQQ-INT group 128,
 its own per-M kernel choice and its bundled H100 configs) where it imports.
---tune: per shape and M bucket, a launch grid of the tc kernel (stage 1: tile shape x split-K at 3 stages; stage 2:
-the best three at 2 and 4 stages), its dequantize + cuBLAS path and today's path; writes OUT/w4a16_configs.json, the
-committed table with this device's entries added: layout "tc" for a shape only where the tc paths are faster over
-the buckets summed and not slower at M = 1 (--batch1-slack), each bucket's row the faster of "tc" (its best
-launch) and "dequant"; rows carry the measured ms under "_ms". Copy it to kernels/w4a16_configs.json, or point
-VSERVE_W4A16_CONFIGS at it. With --compare in the same run, `tc` is timed at the tuned path and launch of each M.
+--tune: per shape and M bucket, a launch grid of the tc kernel (stage 1: tile shape x split-K at 3 stages, 2 for tiles
+whose 3 would not fit shared memory; stage 2: the best three at the other depths of 2-4), its dequantize + cuBLAS path
+and today's path; writes OUT/w4a16_configs.json, the committed table with this device's entries added: layout "tc" for
+a shape only where the tc paths are faster over the buckets summed and not slower at M = 1 (--batch1-slack), each
+bucket's row the faster of "tc" (its best launch) and "dequant"; rows carry the measured ms under "_ms". Copy it to
+kernels/w4a16_configs.json, or point VSERVE_W4A16_CONFIGS at it. With --compare in the same run, `tc` is timed at the
+tuned path and launch of each M.
 Results: OUT/w4a16_tc.json and a markdown table OUT/w4a16_tc.md. TRITON_CACHE_DIR kept between runs saves the
 compiles (most of --tune's time).
 """
@@ -289,13 +290,20 @@ def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict) -> list[dict
 # ---- tune --------------------------------------------------------------------------------------------------------
 
 
+def stages(block_n: int, block_m: int) -> int:
+    """The software pipeline's depth for a tile: 3, or 2 where three stages of x^T's [128, block_m] bf16 slice and
+    the weight's [block_n, 16] words pass 190 KB of shared memory (Triton asks for more than the stages: on the
+    H100 a 128 x 256 tile at 3 stages needed 246,784 bytes of the 232,448 there are; at 2 it fits)."""
+    return 3 if 3 * (128 * block_m * 2 + block_n * 16 * 4) <= 190 * 1024 else 2
+
+
 def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     """Stage 1 of the launch grid for M rows: tile shapes (rows per tile from M's bucket, 64 to 256 outputs, 4 or 8
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
     tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
-    stages; for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain of wgmma
-    instructions with one wait a tile; stage 2 times the best launches without it too). Prefill-sized M (over 256):
-    three tile shapes and no split (the tiles fill the GPU)."""
+    stages (2: stages()); for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain
+    of wgmma instructions with one wait a tile; stage 2 times the best launches without it too). Prefill-sized M
+    (over 256): three tile shapes and no split (the tiles fill the GPU)."""
     bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
@@ -308,8 +316,8 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
             near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2} if M <= 256 else {1}
             for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
-                    out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=3,
-                                    scale_a=bm >= 64, wide=group >= 128))
+                    out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps,
+                                    num_stages=stages(bn, bm), scale_a=bm >= 64, wide=group >= 128))
     return out
 
 
@@ -386,7 +394,8 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             timed.sort(key=lambda t: t[0])
             stage2 = [c2 for _, cfg in timed[:best_n]  # the best ones at other depths (deeper for small M), not wide
-                      for c2 in [dict(cfg, num_stages=st) for st in ((2, 4, 5, 6) if M <= 16 else (2, 4))]
+                      for c2 in [dict(cfg, num_stages=st) for st in ((2, 3, 4, 5, 6) if M <= 16 else (2, 3, 4))
+                                 if st != cfg["num_stages"]]
                       + ([dict(cfg, wide=False)] if cfg.get("wide") else [])]
             precompile(pool, dev, dtype, [(K, N, c2) for c2 in stage2])
             for c2 in stage2:
