@@ -121,11 +121,6 @@ def row_keys(device: torch.device, N: int, K: int) -> list[int]:
     return sorted(int(k) for k in entry(device_name(device), N, K).get("rows", {})) or [1]
 
 
-def bucket(M: int) -> int:
-    """M's power-of-two bucket (the row keys --tune writes): 1, 2, 4, ... 256, then 512 and up."""
-    return 1 << max(0, M.bit_length() - 1)
-
-
 def reload() -> None:
     """Read the table again (after VSERVE_W4A16_CONFIGS or the file changed)."""
     table.cache_clear()
