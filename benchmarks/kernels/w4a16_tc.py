@@ -19,12 +19,12 @@ the repacked weight, the table's path and launch or the defaults), `today` (w4a1
 tensors, as the engine runs them now), `bf16` (F.linear, cuBLAS), `gemlite` (0.6.0.post2 A16W4 HQQ-INT group 128,
 its own per-M kernel choice and its bundled H100 configs) where it imports.
 --tune: per shape and M bucket, a launch grid of the tc kernel (stage 1: tile shape x split-K at 3 stages, 2 for tiles
-whose 3 would not fit shared memory; stage 2: the best three at the other depths of 2-4), its dequantize + cuBLAS path
-and today's path; writes OUT/w4a16_configs.json, the committed table with this device's entries added: layout "tc" for
-a shape only where the tc paths are faster over the buckets summed and not slower at M = 1 (--batch1-slack), each
-bucket's row the faster of "tc" (its best launch) and "dequant"; rows carry the measured ms under "_ms". Copy it to
-kernels/w4a16_configs.json, or point VSERVE_W4A16_CONFIGS at it. With --compare in the same run, `tc` is timed at the
-tuned path and launch of each M.
+whose 3 would not fit shared memory, and at 2 too from 33 to 256 rows; stage 2: the best three at the other depths of
+2-4), its dequantize + cuBLAS path and today's path; writes OUT/w4a16_configs.json, the committed table with this
+device's entries added: layout "tc" for a shape only where the tc paths are faster over the buckets summed and not
+slower at M = 1 (--batch1-slack), each bucket's row the faster of "tc" (its best launch) and "dequant"; rows carry the
+measured ms under "_ms". Copy it to kernels/w4a16_configs.json, or point VSERVE_W4A16_CONFIGS at it. With --compare in
+the same run, `tc` is timed at the tuned path and launch of each M.
 Results: OUT/w4a16_tc.json and a markdown table OUT/w4a16_tc.md. TRITON_CACHE_DIR kept between runs saves the
 compiles (most of --tune's time).
 """
@@ -49,7 +49,9 @@ NAMES = {(4096, 6144): "qkv", (4096, 4096): "o", (4096, 28672): "gate_up", (1433
 # decode batches, then prefill-sized steps: a row serves up to the next, so without 1024 and up the 256 row's choice
 # (tc for gate_up and down on the H100, s27) served every 8,192-token prefill step, where dequantize + cuBLAS runs
 # at cuBLAS's ~2x the TFLOP/s for ~4% more time (the dequantize)
-ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192]
+# 192: decode graphs of 192-240 rows ran the 128-row launches, and 256-request serving spends half its steps at
+# 129-256 rows (session 41)
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512, 1024, 4096, 8192]
 CHECK_ROWS = [1, 16, 33, 256]
 GROUP = 128
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -301,23 +303,25 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
     """Stage 1 of the launch grid for M rows: tile shapes (rows per tile from M's bucket, 64 to 256 outputs, 4 or 8
     warps, scales on the weights from 64-row tiles) x split-K around what fills the GPU twice over (as
     tc_default_config; from a quarter to four times it up to 16 rows, where the weight's bandwidth is all), at 3
-    stages (2: stages()); for groups of 128 and up each tile's 8 fields make one K = 128 dot (wide: on sm_90 a chain
-    of wgmma instructions with one wait a tile; stage 2 times the best launches without it too). Prefill-sized M
-    (over 256): three tile shapes and no split (the tiles fill the GPU)."""
-    bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128] if M <= 128 else [128, 256]
+    stages (2: stages()), and from 33 to 256 rows at 2 stages too (a smaller footprint in shared memory, so that two
+    programs may share an SM and one unpacks while the other's dot runs); for groups of 128 and up each tile's 8
+    fields make one K = 128 dot (wide: on sm_90 a chain of wgmma instructions with one wait a tile; stage 2 times the
+    best launches without it too). 129-256 rows: tiles of 64 and 128 rows (256-row tiles timed slower at every
+    shape on the H100, session 41). Prefill-sized M (over 256): three tile shapes and no split (the tiles fill the
+    GPU)."""
+    bms = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128]
     k_tiles, out = -(-K // 128), []
     for bm in bms:
         for bn, warps in ((128, 4), (128, 8), (256, 8)) if M > 256 else ((64, 4), (128, 4), (128, 8), (256, 8)):
-            if bm == 256 and bn == 256:
-                continue
             tiles, s0 = -(-N // bn) * -(-M // bm), 1
             while tiles * s0 < 2 * sms and k_tiles // (s0 * 2) >= 2 and 16 * M * s0 * 2 <= K:
                 s0 *= 2
             near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2} if M <= 256 else {1}
             for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
-                    out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps,
-                                    num_stages=stages(bn, bm), scale_a=bm >= 64, wide=group >= 128))
+                    for st in sorted({stages(bn, bm), 2 if 32 < M <= 256 else stages(bn, bm)}):
+                        out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=st,
+                                        scale_a=bm >= 64, wide=group >= 128))
     return out
 
 
