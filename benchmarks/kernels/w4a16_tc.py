@@ -401,6 +401,8 @@ def tune(dev: str, shapes, rows, dtype, cold: int, timing: dict, slack: float,
                       for c2 in [dict(cfg, num_stages=st) for st in ((2, 3, 4, 5, 6) if M <= 16 else (2, 3, 4))
                                  if st != cfg["num_stages"]]
                       + ([dict(cfg, wide=False)] if cfg.get("wide") else [])]
+            stage2 = [c2 for i, c2 in enumerate(stage2)  # not again: a launch stage 1 or an earlier one here timed
+                      if c2 not in [c for _, c in timed] and c2 not in stage2[:i]]
             precompile(pool, dev, dtype, [(K, N, c2) for c2 in stage2])
             for c2 in stage2:
                 try:
