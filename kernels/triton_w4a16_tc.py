@@ -15,7 +15,8 @@ Marlin's and Machete's ideas, in Triton:
   the fp16/bf16 magic number (1024 or 128, lop3) and takes the zero off with one packed fma: 8 exact q - z pairs for
   16 codes (elsewhere, and under the interpreter, the same values in Triton integer ops);
 - per-group scales applied in registers, once per group and output, to the dot's fp32 result: the dot sums exact
-  products x (q - z);
+  products x (q - z); fp16/bf16 scales are read as the int32 words that hold them (a 4-byte load the software
+  pipeline prefetches like the zeros; a 2-byte one stayed in the loop, a wait and a barrier every tile);
 - one dot a tile (WIDE, groups of 128 and up): the 8 fields joined into a [BLOCK_N, 128] operand; with 4 warps on
   sm_90 that is one chain of wgmma instructions with no full wait inside the loop, where 8 dots of K = 16 wait after
   each (ptxas's `WARPGROUP.DEPBAR.LE gsb0, 0x0`; benchmarks/kernels/triton_sass.py shows both);
@@ -100,6 +101,25 @@ def _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
+def _tc_scales(s_ptr, g, n, n_mask, stride_sg, S_WORDS: tl.constexpr):
+    """The scales [BLOCK_N] of group g, in their dtype. S_WORDS 1 / 2 (fp16 / bf16 scales, N even): s_ptr is the
+    scales as int32 words and stride_sg in words; each output reads the word holding its scale and takes its half.
+    A 4-byte load is one the software pipeline prefetches into shared memory and reads back in the layout the
+    unpack wants; a 2-byte one it leaves in the loop body, where each tile waited on it and changed its layout
+    through shared memory behind a barrier (sm_90 SASS: LDG.E.U16, STS.U16, BAR.SYNC, LDS)."""
+    if S_WORDS == 0:
+        s = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0)
+    else:
+        sw = tl.load(s_ptr + g * stride_sg + n // 2, mask=n_mask, other=0)
+        half = (sw >> ((n % 2) * 16)).to(tl.int16)  # little-endian: the even output's scale is the word's low half
+        if S_WORDS == 1:
+            s = half.to(tl.float16, bitcast=True)
+        else:
+            s = half.to(tl.bfloat16, bitcast=True)
+    return s
+
+
+@triton.jit
 def _tc_x(x_ptr, perm_ptr, k, m, m_mask, stride_xm, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):
     """x^T's rows k (x's columns, through act-order's permutation) for the tile's rows m: [len(k), BLOCK_M]."""
     if HAS_PERM and EVEN_K:
@@ -126,7 +146,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
                stride_xm, stride_qn, stride_sg, stride_zg, stride_om, stride_pk, GROUP: tl.constexpr,
                MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                SCALE_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
-               PDL: tl.constexpr, WIDE: tl.constexpr = False):
+               PDL: tl.constexpr, WIDE: tl.constexpr = False, S_WORDS: tl.constexpr = 0):
     """out[m, n] = sum_k x[m, k] W[n, k] for a [BLOCK_N, BLOCK_M] tile of y^T and the 128-wide K tiles of one split.
     GROUP: the group size (a constexpr: no integer division in the loop); a group segment is SEG 16-wide K slices
     (8: groups of 128 or more, one segment a tile; 1, 2, 4: groups of 16, 32, 64). EVEN_K: 128 divides K (no masks
@@ -138,7 +158,8 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
     (triton_ops.pdl_enter: in a batch-1 decode graph the programs are resident when the kernel before ends).
     WIDE (groups of 128 or more): the tile's 8 fields joined into one [BLOCK_N, 128] operand and one dot with K = 128
     (x^T's 128 rows one load): on sm_90 one chain of wgmma instructions and one wait a tile, where 8 dots of K = 16
-    wait after each."""
+    wait after each. S_WORDS: how the scales are read (_tc_scales: 0 as stored; 1, 2: fp16, bf16 scales as int32
+    words, which the pipeline prefetches)."""
     pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     SEG: tl.constexpr = 8 if GROUP >= 128 else GROUP // 16
@@ -154,7 +175,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
         w = tl.load(qw_ptr + n[:, None] * stride_qn + (t * 16 + i16)[None, :], mask=n_mask[:, None], other=0)
         if SEG == 8:  # one group in the tile: its zeros (and scales) go into the unpack
             z = _tc_zeros(z_ptr, (t * 128) // GROUP, n, n_mask, stride_zg, HAS_ZEROS)
-            s = tl.load(s_ptr + ((t * 128) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+            s = _tc_scales(s_ptr, (t * 128) // GROUP, n, n_mask, stride_sg, S_WORDS)
             c = _tc_codes(w, z[:, None], s.to(DT)[:, None], DT, ASM, SCALE_A)
         else:  # smaller groups: each slice's zeros (and scales) are applied after it
             c = _tc_codes(w, tl.zeros((BLOCK_N, 1), dtype=tl.int32), 1.0, DT, ASM, False)
@@ -165,7 +186,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
             if SCALE_A:
                 acc = tl.dot(a, xt, acc, input_precision="ieee" if DT == tl.float32 else None)
             else:
-                sp = tl.load(s_ptr + ((t * 128) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+                sp = _tc_scales(s_ptr, (t * 128) // GROUP, n, n_mask, stride_sg, S_WORDS)
                 acc += tl.dot(a, xt, input_precision="ieee" if DT == tl.float32 else None) * \
                     sp.to(tl.float32)[:, None]
         else:
@@ -177,7 +198,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
                     if j % SEG == 0:
                         g = (t * 128 + j * 16) // GROUP
                         zs = _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS).to(DT)[:, None]
-                        ss = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                        ss = _tc_scales(s_ptr, g, n, n_mask, stride_sg, S_WORDS).to(tl.float32)[:, None]
                     a = a - zs
                     if SCALE_A:
                         a = (a.to(tl.float32) * ss).to(DT)
@@ -186,7 +207,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, lock_pt
                 else:
                     part = tl.dot(a, xt, part, input_precision="ieee" if DT == tl.float32 else None)
                     if (j + 1) % SEG == 0:  # the segment's group: its scales, once per output, on the fp32 sums
-                        sp = tl.load(s_ptr + ((t * 128 + j * 16) // GROUP) * stride_sg + n, mask=n_mask, other=0.0)
+                        sp = _tc_scales(s_ptr, (t * 128 + j * 16) // GROUP, n, n_mask, stride_sg, S_WORDS)
                         acc += part * sp.to(tl.float32)[:, None]
                         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     mask = n_mask[:, None] & m_mask[None, :]
@@ -243,14 +264,25 @@ def tc_default_config(M: int, N: int, K: int, sms: int) -> dict:
     return dict(block_n=128, block_m=block_m, split_k=split, num_warps=4, num_stages=3, scale_a=block_m >= 64)
 
 
+def _scale_words(scales: torch.Tensor) -> int:
+    """The kernel's S_WORDS for these scales: 1 or 2 (fp16, bf16) where they can be read as int32 words (rows of
+    whole words: an even row length and stride, 4-byte aligned), else 0."""
+    code = {torch.float16: 1, torch.bfloat16: 2}.get(scales.dtype, 0)
+    if code and scales.stride(1) == 1 and scales.shape[1] % 2 == 0 and scales.stride(0) % 2 == 0 \
+            and scales.data_ptr() % 4 == 0:
+        return code
+    return 0
+
+
 def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
             perm: torch.Tensor | None, group_size: int, out2: torch.Tensor, *, block_n: int, block_m: int,
             split_k: int, num_warps: int, num_stages: int, scale_a: bool = False, wide: bool = False,
-            fixup: bool = True, asm: bool | None = None) -> torch.Tensor:
+            fixup: bool = True, asm: bool | None = None, scale_words: bool = True) -> torch.Tensor:
     """out2 [M, N] = x2 [M, K] @ W^T for W in the tc layout (group_size: the repack's). Launch keywords as in
     tc_default_config, and wide (the kernel's WIDE: one K = 128 dot a tile, for groups of 128 or more; ignored for
     smaller groups); fixup=False sums the K-split partials in a second kernel (torch.sum, also in split order);
-    asm=False: the plain-Triton unpack on an NVIDIA GPU too (a check of the PTX)."""
+    asm=False: the plain-Triton unpack on an NVIDIA GPU too (a check of the PTX); scale_words=False: 16-bit scales
+    read as stored, not as int32 words (_tc_scales; an A/B of the two)."""
     M, K = x2.shape
     N = qweight.shape[0]
     assert qweight.shape[1] * 8 >= K and x2.stride(1) == 1 and out2.stride(1) == 1, (qweight.shape, K)
@@ -263,13 +295,15 @@ def tc_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
     mode = 0 if split == 1 else 1 if counts is not None else 2
     part = out2 if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
     z = qzeros if qzeros is not None else scales
-    _tc_kernel[grid](x2, qweight, scales, z, perm if perm is not None else qweight, out2, part,
+    s_words = _scale_words(scales) if scale_words else 0
+    s_arg = scales if not s_words else scales.view(torch.int32)
+    _tc_kernel[grid](x2, qweight, s_arg, z, perm if perm is not None else qweight, out2, part,
                      counts if counts is not None else part, M, N, K, per_split, split, x2.stride(0), qweight.stride(0),
-                     scales.stride(0), z.stride(0), out2.stride(0), part.stride(0) if split > 1 else 0,
+                     s_arg.stride(0), z.stride(0), out2.stride(0), part.stride(0) if split > 1 else 0,
                      GROUP=group_size, MODE=mode, HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None,
                      EVEN_K=K % 128 == 0, SCALE_A=scale_a, BLOCK_N=block_n,
                      BLOCK_M=block_m, ASM=(_ptx() if asm is None else asm) and x2.dtype != torch.float32,
-                     WIDE=wide and group_size >= 128,
+                     WIDE=wide and group_size >= 128, S_WORDS=s_words,
                      num_warps=num_warps, num_stages=num_stages, **pdl_launch(x2.device))
     if mode == 2:
         torch.sum(part, 0, out=out2)

@@ -116,6 +116,25 @@ def test_tc_gemm_matches_the_checkpoint_reference(seed, layout, N, K, group, M, 
     _close(w4a16_ref.w4a16_gemm_ref(x, tq, ts, tz, perm, "tc", 4, tgs), ref, dtype, seed)
 
 
+@pytest.mark.parametrize("sdtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N", [20, 21])
+def test_16_bit_scales_read_as_int32_words_or_as_stored(seed, sdtype, N):
+    """fp16 and bf16 scales with an even row length are read as int32 words (each output takes its half: the load
+    the GPU's software pipeline prefetches), with an odd one as stored; both equal the reference on those scales,
+    with the scales applied to the dot's sums and on the weights."""
+    qweight, scales, qzeros, g_idx, kind, gs = checkpoint("pack", N, 256, 128)
+    tq, ts, tz, perm, tgs = repack(qweight, scales, qzeros, g_idx, kind, 4, gs, 256, N)
+    ts = ts.to(sdtype)
+    assert triton_w4a16_tc._scale_words(ts) == (0 if N % 2 else 1 if sdtype == torch.float16 else 2)
+    x = torch.randn(5, 256)
+    ref = w4a16_ref.w4a16_gemm_ref(x, tq, ts, tz, perm, "tc", 4, tgs)
+    for launch in (dict(scale_a=False), dict(scale_a=True, wide=True)):
+        out = torch.full((5, N), float("nan"))
+        triton_w4a16_tc.tc_gemm(x, tq, ts, tz, perm, tgs, out, block_n=16, block_m=16, split_k=2, num_warps=4,
+                                num_stages=2, **launch)
+        _close(out, ref, torch.float32, seed)
+
+
 @pytest.mark.parametrize("layout", ["awq", "gptq-act"])
 def test_the_tc_layouts_dequantize_path_matches_the_reference(seed, layout):
     """Path "dequant" on the tc layout: the weight dequantized (in the repacked K order) into the shared buffer, x's

@@ -11,6 +11,7 @@
 #   w4    w4a16_tc.py --tune (#31; its compiles spread over the CPUs), likewise, then ROWS (default: the W4 rows;
 #         none: no rows; commit $OUT/w4a16_configs.json; W4_ARGS: more options, e.g. "--merge --rows 512,4096")
 #   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
+#   w4words  w4a16_tc.py --words-ab: the same with its 16-bit scales read as int32 words and as stored (#31)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
 #   mla   h200_engine.py's mla_graphs (#26): an 8-layer DeepSeek-V2-Lite shape's greedy tokens with CUDA graphs forced
@@ -73,10 +74,12 @@ moe)
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/fused_moe.py --tune --out "$OUT" > "$OUT/moe_tune.log" 2>&1
   [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" kernels/
   rows deepseek_v2_lite_512 ;;
-w4ab)  # the tc kernel with and without WIDE at the same launches, vs cuBLAS bf16 (W4AB_ROWS)
-  timeout "${TUNE_S:-300}" python3 benchmarks/kernels/w4a16_tc.py --wide-ab --rows "${W4AB_ROWS:-1,8,32,128,256,1024}" \
-    ${W4AB_SHAPES:+--shapes "$W4AB_SHAPES"} --out "$OUT" > "$OUT/w4ab.log" 2>&1
-  grep "wide-ab" "$OUT/w4ab.log" | cut -c1-400 ;;
+w4ab|w4words)  # the tc kernel with and without WIDE (w4words: its scales as int32 words) at the same launches, vs
+  # cuBLAS bf16 (W4AB_ROWS)
+  flag=--wide-ab; [ "$MODE" = w4words ] && flag=--words-ab
+  timeout "${TUNE_S:-300}" python3 benchmarks/kernels/w4a16_tc.py $flag --rows "${W4AB_ROWS:-1,8,32,128,256,1024}" \
+    ${W4AB_SHAPES:+--shapes "$W4AB_SHAPES"} --out "$OUT" > "$OUT/$MODE.log" 2>&1
+  grep -e "-ab " "$OUT/$MODE.log" | cut -c1-400 ;;
 w4)
   timeout "${TUNE_S:-360}" python3 benchmarks/kernels/w4a16_tc.py --tune ${W4_ARGS:-} --out "$OUT" > "$OUT/w4_tune.log" 2>&1
   [ -f "$OUT/w4a16_configs.json" ] && cp "$OUT/w4a16_configs.json" kernels/

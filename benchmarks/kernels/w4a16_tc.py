@@ -6,6 +6,7 @@ step finds them).
     python benchmarks/kernels/w4a16_tc.py --compare --out $OUT   # ~2.5 min (+ gemlite where importable)
     python benchmarks/kernels/w4a16_tc.py --tune --out $OUT      # ~4 min: OUT/w4a16_configs.json
     python benchmarks/kernels/w4a16_tc.py --tune --compare --out $OUT   # ~6 min: --compare at the tuned launches
+    python benchmarks/kernels/w4a16_tc.py --words-ab --rows 1,64,256 --out $OUT   # scales as int32 words vs not
     python benchmarks/kernels/w4a16_tc.py --cpu-smoke --out /tmp/w4tc   # tiny shapes, TRITON_INTERPRET=1
 
 --check: every layout the repack takes (AWQ, GPTQ, GPTQ act-order, compressed-tensors pack) in bf16 (and AWQ in fp16)
@@ -241,10 +242,18 @@ def _sms(dev: str) -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
 
 
-def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict) -> list[dict]:
-    """The kernel with and without WIDE at the same launches (the table's or the defaults', and for 64 rows and up
-    one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same weight; each wide
-    launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
+def _ab_cell(c: dict) -> str:
+    """One launch of an A/B row as the log shows it: [tile, split, warps, stages, flags] and its ms or the error."""
+    flags = (" wide" if c.get("wide") else "") + (" words" if c.get("scale_words") else "")
+    time = (f"{c['ms']:.4f}" + ("" if c["ok"] else " BAD")) if "ms" in c else "error"
+    return f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}{flags}] {time}"
+
+
+def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str = "wide") -> list[dict]:
+    """The kernel with and without a launch keyword (key: wide, the one K = 128 dot a tile; or scale_words, the
+    16-bit scales read as int32 words the pipeline prefetches) at the same launches (the table's or the defaults',
+    and for 64 rows and up one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same
+    weight; each launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16_tc, w4a16_dispatch, w4a16_ref
@@ -263,10 +272,10 @@ def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict) -> list[dict
             limit = max(TOL[dtype], 2 * rel_err(torch.nn.functional.linear(x, w32.to(dtype)), ref))
             base = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms),
                         **w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)[1])
-            launches = [dict(base, wide=False), dict(base, wide=True)]
+            launches = [dict(base, **{key: False}), dict(base, **{key: True})]
             if M >= 64:
-                launches += [dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=st,
-                                  scale_a=True, wide=w) for st in (2, 3) for w in (False, True)]
+                launches += [dict(dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=st,
+                                       scale_a=True, wide=True), **{key: v}) for st in (2, 3) for v in (False, True)]
             row = dict(shape=NAMES.get((K, N), f"{K}x{N}"), K=K, N=N, M=M, limit=limit,
                        bf16_ms=time_ms(partial(torch.nn.functional.linear, x), dev, bf16, **timing), launches=[])
             for cfg in launches:
@@ -281,10 +290,8 @@ def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict) -> list[dict
                 row["launches"].append(dict(cfg, ms=ms, rel_err=err, ok=err <= limit,
                                             TFLOPs=2 * M * N * K / (ms * 1e-3) / 1e12))
             out.append(row)
-            log(f"wide-ab {row['shape']:8s} M={M:<4} bf16 {row['bf16_ms']:.4f}  " + "  ".join(
-                f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"
-                f"{' wide' if c['wide'] else ''}] " + (f"{c['ms']:.4f}{'' if c['ok'] else ' BAD'}" if "ms" in c
-                                                        else "error") for c in row["launches"]))
+            log(f"{key}-ab {row['shape']:8s} M={M:<4} bf16 {row['bf16_ms']:.4f}  "
+                + "  ".join(_ab_cell(c) for c in row["launches"]))
         del awq, tc, bf16, w32
     return out
 
@@ -485,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true", help="ms, TFLOP/s, GB/s: tc, today, cuBLAS bf16, gemlite")
     ap.add_argument("--tune", action="store_true", help="launch grid per M bucket -> OUT/w4a16_configs.json")
     ap.add_argument("--wide-ab", action="store_true", help="the kernel with and without WIDE at the same launches")
+    ap.add_argument("--words-ab", action="store_true",
+                    help="the kernel with its 16-bit scales read as int32 words and as stored, at the same launches")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
     ap.add_argument("--compare-rows", default="", help="row counts for --compare when other than --rows")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
@@ -504,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     from timing import smoke_iters
 
     if args.cpu_smoke:
-        args.check = args.compare = args.tune = args.wide_ab = True
+        args.check = args.compare = args.tune = args.wide_ab = args.words_ab = True
         dev, shapes, rows, check_rows, dtype, cold = "cpu", [(256, 64)], [1, 5], [1, 5], torch.float16, 0
         timing = smoke_iters(True)
     else:
@@ -512,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
         rows, check_rows = [int(m) for m in args.rows.split(",")], CHECK_ROWS
         timing = {}
-        if not (args.check or args.compare or args.tune or args.wide_ab):
-            ap.error("give --check, --compare, --tune and/or --wide-ab")
+        if not (args.check or args.compare or args.tune or args.wide_ab or args.words_ab):
+            ap.error("give --check, --compare, --tune, --wide-ab and/or --words-ab")
     from vserve.kernels import w4a16_dispatch
 
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke: the numbers mean nothing)",
@@ -529,9 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = [r for r in res["check"] if r["ok"] is False]
         log(f"check: {sum(r['ok'] is True for r in res['check'])}/{sum(r['ok'] is not None for r in res['check'])} ok"
             + "".join(f"\n  FAIL {r}" for r in bad))
-    if args.wide_ab:
-        res["wide_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing)
-        bad += [c for r in res["wide_ab"] for c in r["launches"] if c.get("ok") is False]
+    for key, on in (("wide", args.wide_ab), ("scale_words", args.words_ab)):
+        if on:
+            res[f"{key}_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing, key)
+            bad += [c for r in res[f"{key}_ab"] for c in r["launches"] if c.get("ok") is False]
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
         workers = args.compile_workers if args.compile_workers is not None else 1 if args.cpu_smoke else \
