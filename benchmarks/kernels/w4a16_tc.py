@@ -249,7 +249,7 @@ def _ab_cell(c: dict) -> str:
     return f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}{flags}] {time}"
 
 
-def wide_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str = "wide") -> list[dict]:
+def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) -> list[dict]:
     """The kernel with and without a launch keyword (key: wide, the one K = 128 dot a tile; or scale_words, the
     16-bit scales read as int32 words the pipeline prefetches) at the same launches (the table's or the defaults',
     and for 64 rows and up one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same
@@ -326,7 +326,7 @@ def grid(M: int, N: int, K: int, sms: int, group: int = GROUP) -> list[dict]:
             near = {s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4} if M <= 16 else {s0 // 2, s0, s0 * 2} if M <= 256 else {1}
             for split in sorted({max(1, s) for s in near}):
                 if split == 1 or split <= k_tiles // 2:
-                    for st in sorted({stages(bn, bm), 2 if 32 < M <= 256 else stages(bn, bm)}):
+                    for st in sorted({stages(bn, bm)} | ({2} if 32 < M <= 256 else set())):
                         out.append(dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=st,
                                         scale_a=bm >= 64, wide=group >= 128))
     return out
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f"\n  FAIL {r}" for r in bad))
     for key, on in (("wide", args.wide_ab), ("scale_words", args.words_ab)):
         if on:
-            res[f"{key}_ab"] = wide_ab(dev, shapes, rows, dtype, cold, timing, key)
+            res[f"{key}_ab"] = launch_ab(dev, shapes, rows, dtype, cold, timing, key)
             bad += [c for r in res[f"{key}_ab"] for c in r["launches"] if c.get("ok") is False]
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
