@@ -115,10 +115,17 @@ def section_mla_graphs(res: dict, cfg: dict, device: str) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts, _ = workload(8, 2, cfg["vocab_size"], (32, 32), in_len=(20, 300))
 
-    def engine(graphs: bool, dtype: str):
+    def with_engine(graphs: bool, dtype: str, fn):
+        """fn(llm) on an engine with graphs forced on or off, shut down and its GPU memory freed after."""
         DeepseekV2ForCausalLM.cuda_graphs = graphs  # read by the model runner at start (the engine runs in process)
-        return LLM(folder, load_format="dummy", dtype=dtype, device=device, max_model_len=1024, max_num_seqs=32,
-                   engine_process=False, enforce_eager=not graphs)
+        llm = LLM(folder, load_format="dummy", dtype=dtype, device=device, max_model_len=1024, max_num_seqs=32,
+                  engine_process=False, enforce_eager=not graphs)
+        try:
+            return fn(llm)
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            free_gpu()
 
     def tokens(llm, batch):
         return [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
@@ -135,19 +142,13 @@ def section_mla_graphs(res: dict, cfg: dict, device: str) -> None:
     got, speed = {}, {}
     try:
         for graphs in (False, True):
-            llm = engine(graphs, "float32")
-            got[graphs] = [tokens(llm, prompts[:3]), tokens(llm, prompts)]
-            llm.llm_engine.shutdown()
-            del llm
-            free_gpu()
+            got[graphs] = with_engine(graphs, "float32", lambda llm: [tokens(llm, prompts[:3]), tokens(llm, prompts)])
         torch.backends.cuda.matmul.allow_tf32 = tf32
+        new = 64 if device == "cpu" else 256
         for graphs in (False, True):
-            llm = engine(graphs, "float32" if device == "cpu" else "bfloat16")
-            speed["graphs" if graphs else "eager"] = {f"batch_{n}_tok_s": tok_s(llm, n, 64 if device == "cpu" else 256)
-                                                      for n in (1, 32)}
-            llm.llm_engine.shutdown()
-            del llm
-            free_gpu()
+            speed["graphs" if graphs else "eager"] = with_engine(
+                graphs, "float32" if device == "cpu" else "bfloat16",
+                lambda llm: {f"batch_{n}_tok_s": tok_s(llm, n, new) for n in (1, 32)})
     finally:
         DeepseekV2ForCausalLM.cuda_graphs = default
         torch.backends.cuda.matmul.allow_tf32 = tf32
