@@ -7,6 +7,7 @@ step finds them).
     python benchmarks/kernels/w4a16_tc.py --tune --out $OUT      # ~4 min: OUT/w4a16_configs.json
     python benchmarks/kernels/w4a16_tc.py --tune --compare --out $OUT   # ~6 min: --compare at the tuned launches
     python benchmarks/kernels/w4a16_tc.py --words-ab --rows 1,64,256 --out $OUT   # scales as int32 words vs not
+    ncu --set full ... python benchmarks/kernels/w4a16_tc.py --profile --rows 256 --shapes 4096:28672 --out $OUT
     python benchmarks/kernels/w4a16_tc.py --cpu-smoke --out /tmp/w4tc   # tiny shapes, TRITON_INTERPRET=1
 
 --check: every layout the repack takes (AWQ, GPTQ, GPTQ act-order, compressed-tensors pack) in bf16 (and AWQ in fp16)
@@ -296,6 +297,49 @@ def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) 
     return out
 
 
+def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None = None) -> list[dict]:
+    """For a profiler (Nsight Compute: `run.sh w4ncu`): per shape and row count, the tc kernel at the table's launch
+    and at `launches` (default: one 128 x min(M, 128) tile of 4 warps at 2 stages, two of which share an SM, and one
+    256 x 128 tile of 8 warps at 3), each called twice (compile and warm-up, then the call to read), and cuBLAS bf16
+    on the same shape twice; nothing timed. ncu's default cache control flushes L2 before each profiled launch, so
+    the weights come from HBM as in a decode step. The list, in launch order, is what the report's kernels are."""
+    from vserve.kernels import triton_w4a16_tc, w4a16_dispatch
+
+    sms = _sms(dev)
+    order = []
+    for K, N in shapes:
+        tc = tc_weight(checkpoint("awq", K, N, dev), K, N)
+        w = torch.randn(N, K, device=dev, dtype=dtype) * 0.02
+        for M in rows:
+            x = torch.randn(M, K, device=dev, dtype=dtype)
+            o = torch.empty(M, N, device=dev, dtype=dtype)
+            table = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms),
+                         **w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)[1])
+            table.pop("path", None)
+            table = {k: v for k, v in table.items() if not k.startswith("_")}
+            extra = launches if launches is not None else [
+                dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=2, scale_a=True, wide=True),
+                dict(block_n=256, block_m=128, split_k=1, num_warps=8, num_stages=3, scale_a=True, wide=True)]
+            for name, cfg in [("table", table)] + [(f"launch {i}", c) for i, c in enumerate(extra)]:
+                try:
+                    for _ in range(2):
+                        triton_w4a16_tc.tc_gemm(x, *tc, o, **cfg)
+                except Exception as e:  # out of shared memory or registers
+                    order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg,
+                                      error=f"{type(e).__name__}: {str(e)[:100]}"))
+                    continue
+                order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg))
+            for _ in range(2):
+                torch.nn.functional.linear(x, w)
+            order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what="cuBLAS bf16 (F.linear)"))
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        del tc, w
+    for r in order:
+        log(f"profile {r['shape']:8s} M={r['M']:<4} {r['what']}: {r.get('launch', '')} {r.get('error', '')}")
+    return order
+
+
 # ---- tune --------------------------------------------------------------------------------------------------------
 
 
@@ -494,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide-ab", action="store_true", help="the kernel with and without WIDE at the same launches")
     ap.add_argument("--words-ab", action="store_true",
                     help="the kernel with its 16-bit scales read as int32 words and as stored, at the same launches")
+    ap.add_argument("--profile", action="store_true",
+                    help="each launch of profile_launches twice, untimed: for Nsight Compute (run.sh w4ncu)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
     ap.add_argument("--compare-rows", default="", help="row counts for --compare when other than --rows")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
@@ -513,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     from timing import smoke_iters
 
     if args.cpu_smoke:
-        args.check = args.compare = args.tune = args.wide_ab = args.words_ab = True
+        args.check = args.compare = args.tune = args.wide_ab = args.words_ab = args.profile = True
         dev, shapes, rows, check_rows, dtype, cold = "cpu", [(256, 64)], [1, 5], [1, 5], torch.float16, 0
         timing = smoke_iters(True)
     else:
@@ -521,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
         rows, check_rows = [int(m) for m in args.rows.split(",")], CHECK_ROWS
         timing = {}
-        if not (args.check or args.compare or args.tune or args.wide_ab or args.words_ab):
-            ap.error("give --check, --compare, --tune, --wide-ab and/or --words-ab")
+        if not (args.check or args.compare or args.tune or args.wide_ab or args.words_ab or args.profile):
+            ap.error("give --check, --compare, --tune, --wide-ab, --words-ab and/or --profile")
     from vserve.kernels import w4a16_dispatch
 
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke: the numbers mean nothing)",
@@ -542,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         if on:
             res[f"{key}_ab"] = launch_ab(dev, shapes, rows, dtype, cold, timing, key)
             bad += [c for r in res[f"{key}_ab"] for c in r["launches"] if c.get("ok") is False]
+    if args.profile:
+        res["profile"] = profile_launches(dev, shapes, rows, dtype, None if not args.cpu_smoke else [
+            dict(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=2, scale_a=False, wide=True)])
     tuned = None
     if args.tune:  # before --compare, which then times the tuned launches
         workers = args.compile_workers if args.compile_workers is not None else 1 if args.cpu_smoke else \
