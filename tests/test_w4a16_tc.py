@@ -353,8 +353,9 @@ def test_the_warm_up_runs_each_tc_weight_kind_once_at_every_row_key(table_file, 
 
 
 def test_the_benchmark_script_runs_on_cpu(tmp_path):
-    """benchmarks/kernels/w4a16_tc.py --cpu-smoke: its check, compare and tune on a tiny shape under the interpreter
-    (the numbers mean nothing), writing its JSON, its markdown table and a dispatch table the loader accepts."""
+    """benchmarks/kernels/w4a16_tc.py --cpu-smoke: its check, compare, tune and profile launches on a tiny shape under
+    the interpreter (the numbers mean nothing), writing its JSON, its markdown table and a dispatch table the loader
+    accepts."""
     import subprocess
     import sys
     from pathlib import Path
@@ -366,3 +367,7 @@ def test_the_benchmark_script_runs_on_cpu(tmp_path):
     assert (tmp_path / "w4a16_tc.md").read_text().count("| 256x64 |") == 2
     tuned = w4a16_dispatch.table(str(tmp_path / "w4a16_configs.json"))
     assert set(tuned["devices"]["cpu"]["shapes"]["N=64,K=256"]["rows"]) == {"1", "5"}
+    profiled = json.loads((tmp_path / "w4a16_tc.json").read_text())["profile"]  # what run.sh w4ncu hands to ncu
+    assert [(r["M"], r["what"].split(" (")[0]) for r in profiled] == [
+        (m, w) for m in (1, 5) for w in ("defaults", "launch 0", "cuBLAS bf16")]
+    assert not any("error" in r for r in profiled)

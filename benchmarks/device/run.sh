@@ -14,7 +14,7 @@
 #   w4words  w4a16_tc.py --words-ab: the same with its 16-bit scales read as int32 words and as stored (#31)
 #   w4ncu the tc kernel at the table's launch, a 128 x 128 tile on 4 warps at 2 stages (two programs an SM) and a
 #         256 x 128 tile on 8 warps, and cuBLAS bf16, under Nsight Compute (w4a16_tc.py --profile; W4AB_ROWS,
-#         default 128,256; W4AB_SHAPES, default gate_up): ncu.txt (every section's details), ncu_raw.csv (every
+#         default 128,256; W4AB_SHAPES, default gate_up; NCU_S): ncu.txt (every section's details), ncu_raw.csv (every
 #         metric), the report w4ncu.ncu-rep (#31: why the 128-256-row launches reach half of cuBLAS's TFLOP/s)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
@@ -86,7 +86,7 @@ w4ab|w4words)  # the tc kernel with and without WIDE (w4words: its scales as int
   grep -e "-ab " "$OUT/$MODE.log" | cut -c1-400 ;;
 w4ncu)
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout "${TUNE_S:-300}" "$ncu" --clock-control none --set full --kernel-name regex:'_tc_kernel|nvjet|gemm|xmma|cutlass' \
+  timeout "${NCU_S:-240}" "$ncu" --clock-control none --set full --kernel-name regex:'_tc_kernel|nvjet|gemm|xmma|cutlass' \
     -o "$OUT/w4ncu" python3 benchmarks/kernels/w4a16_tc.py --profile --rows "${W4AB_ROWS:-128,256}" \
     --shapes "${W4AB_SHAPES:-4096:28672}" --out "$OUT" > "$OUT/ncu_run.log" 2>&1
   "$ncu" --import "$OUT/w4ncu.ncu-rep" --print-details all > "$OUT/ncu.txt" 2>&1 \

@@ -300,9 +300,9 @@ def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) 
 def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None = None) -> list[dict]:
     """For a profiler (Nsight Compute: `run.sh w4ncu`): per shape and row count, the tc kernel at the table's launch
     and at `launches` (default: one 128 x min(M, 128) tile of 4 warps at 2 stages, two of which share an SM, and one
-    256 x 128 tile of 8 warps at 3), each called twice (compile and warm-up, then the call to read), and cuBLAS bf16
-    on the same shape twice; nothing timed. ncu's default cache control flushes L2 before each profiled launch, so
-    the weights come from HBM as in a decode step. The list, in launch order, is what the report's kernels are."""
+    256 x 128 tile of 8 warps at 3), each called once, and cuBLAS bf16 on the same shape; nothing timed (ncu replays
+    each launch for its counters, and its default cache control flushes L2 first, so the weights come from HBM as in
+    a decode step). The list, in launch order, is what the report's kernels are."""
     from vserve.kernels import triton_w4a16_tc, w4a16_dispatch
 
     sms = _sms(dev)
@@ -313,24 +313,22 @@ def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None 
         for M in rows:
             x = torch.randn(M, K, device=dev, dtype=dtype)
             o = torch.empty(M, N, device=dev, dtype=dtype)
-            table = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms),
-                         **w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)[1])
-            table.pop("path", None)
-            table = {k: v for k, v in table.items() if not k.startswith("_")}
+            path, launch = w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)
+            table = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms), **launch)
             extra = launches if launches is not None else [
                 dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=2, scale_a=True, wide=True),
                 dict(block_n=256, block_m=128, split_k=1, num_warps=8, num_stages=3, scale_a=True, wide=True)]
-            for name, cfg in [("table", table)] + [(f"launch {i}", c) for i, c in enumerate(extra)]:
+            named = [("table" if launch else "defaults (not in the table)" if path == "tc" else
+                      f"defaults (the table: {path})", table)]
+            for name, cfg in named + [(f"launch {i}", c) for i, c in enumerate(extra)]:
                 try:
-                    for _ in range(2):
-                        triton_w4a16_tc.tc_gemm(x, *tc, o, **cfg)
+                    triton_w4a16_tc.tc_gemm(x, *tc, o, **cfg)
                 except Exception as e:  # out of shared memory or registers
                     order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg,
                                       error=f"{type(e).__name__}: {str(e)[:100]}"))
                     continue
                 order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg))
-            for _ in range(2):
-                torch.nn.functional.linear(x, w)
+            torch.nn.functional.linear(x, w)
             order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what="cuBLAS bf16 (F.linear)"))
             if dev == "cuda":
                 torch.cuda.synchronize()
@@ -539,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words-ab", action="store_true",
                     help="the kernel with its 16-bit scales read as int32 words and as stored, at the same launches")
     ap.add_argument("--profile", action="store_true",
-                    help="each launch of profile_launches twice, untimed: for Nsight Compute (run.sh w4ncu)")
+                    help="each launch of profile_launches once, untimed: for Nsight Compute (run.sh w4ncu)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
     ap.add_argument("--compare-rows", default="", help="row counts for --compare when other than --rows")
     ap.add_argument("--shapes", default="", help="K:N,... instead of Llama-3-8B's four")
