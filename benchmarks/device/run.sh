@@ -15,7 +15,7 @@
 #   w4ncu the tc kernel at the table's launch, a 128 x 128 tile on 4 warps at 2 stages (two programs an SM) and a
 #         256 x 128 tile on 8 warps, and cuBLAS bf16, under Nsight Compute (w4a16_tc.py --profile; W4AB_ROWS,
 #         default 128,256; W4AB_SHAPES, default gate_up; NCU_S): ncu.txt (every section's details), ncu_raw.csv (every
-#         metric), the report w4ncu.ncu-rep (#31: why the 128-256-row launches reach half of cuBLAS's TFLOP/s)
+#         metric), the report w4ncu.ncu-rep (#31: why the 128-256-row launches run at 0.47-0.67x cuBLAS's speed)
 #   fam   h200_engine.py's float32 greedy check (correct32) of the Gemma-2-9B and Phi-3-mini shapes (#25; FAM_SHAPES
 #         to name others), then ROWS
 #   mla   h200_engine.py's mla_graphs (#26): an 8-layer DeepSeek-V2-Lite shape's greedy tokens with CUDA graphs forced

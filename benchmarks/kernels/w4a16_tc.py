@@ -310,6 +310,7 @@ def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None 
     for K, N in shapes:
         tc = tc_weight(checkpoint("awq", K, N, dev), K, N)
         w = torch.randn(N, K, device=dev, dtype=dtype) * 0.02
+        shape = NAMES.get((K, N), f"{K}x{N}")
         for M in rows:
             x = torch.randn(M, K, device=dev, dtype=dtype)
             o = torch.empty(M, N, device=dev, dtype=dtype)
@@ -321,15 +322,13 @@ def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None 
             named = [("table" if launch else "defaults (not in the table)" if path == "tc" else
                       f"defaults (the table: {path})", table)]
             for name, cfg in named + [(f"launch {i}", c) for i, c in enumerate(extra)]:
+                order.append(dict(shape=shape, M=M, what=name, launch=cfg))
                 try:
                     triton_w4a16_tc.tc_gemm(x, *tc, o, **cfg)
                 except Exception as e:  # out of shared memory or registers
-                    order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg,
-                                      error=f"{type(e).__name__}: {str(e)[:100]}"))
-                    continue
-                order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what=name, launch=cfg))
+                    order[-1]["error"] = f"{type(e).__name__}: {str(e)[:100]}"
             torch.nn.functional.linear(x, w)
-            order.append(dict(shape=NAMES.get((K, N), f"{K}x{N}"), M=M, what="cuBLAS bf16 (F.linear)"))
+            order.append(dict(shape=shape, M=M, what="cuBLAS bf16 (F.linear)"))
             if dev == "cuda":
                 torch.cuda.synchronize()
         del tc, w
