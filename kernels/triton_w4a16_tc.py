@@ -244,7 +244,7 @@ def _tc_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, stride_sg
         k = t * 128 + j * 16 + i16
         g = (t * 128 + j * 16) // GROUP
         z = _tc_zeros(z_ptr, g, n, n_mask, stride_zg, HAS_ZEROS)
-        s = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)
+        s = _tc_scales(s_ptr, g, n, n_mask, stride_sg, 0).to(tl.float32)
         q = ((w >> (4 * j)) & 15) - z[:, None]
         tl.store(out_ptr + n[:, None].to(tl.int64) * stride_on + k[None, :],
                  (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (k < K)[None, :])
