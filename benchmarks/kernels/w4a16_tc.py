@@ -250,6 +250,21 @@ def _ab_cell(c: dict) -> str:
     return f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}{flags}] {time}"
 
 
+def _table_launch(dev: str, M: int, N: int, K: int, sms: int) -> tuple[str, dict, dict]:
+    """The table's path and launch keywords for M rows through an [N, K] tc weight, and the launch w4a16_gemm runs
+    there: tc_default_config's keywords with the table's over them."""
+    from vserve.kernels import triton_w4a16_tc, w4a16_dispatch
+
+    path, launch = w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)
+    return path, launch, dict(triton_w4a16_tc.tc_default_config(M, N, K, sms), **launch)
+
+
+def _tile_128(M: int, stages: int) -> dict:
+    """One 128 x min(M, 128) tile of 4 warps, scales on the weights, wide (at 2 stages two such programs share an
+    SM)."""
+    return dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=stages, scale_a=True, wide=True)
+
+
 def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) -> list[dict]:
     """The kernel with and without a launch keyword (key: wide, the one K = 128 dot a tile; or scale_words, the
     16-bit scales read as int32 words the pipeline prefetches) at the same launches (the table's or the defaults',
@@ -257,7 +272,7 @@ def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) 
     weight; each launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
     from timing import copies, time_ms
 
-    from vserve.kernels import triton_w4a16_tc, w4a16_dispatch, w4a16_ref
+    from vserve.kernels import triton_w4a16_tc, w4a16_ref
 
     sms = _sms(dev)
     out = []
@@ -271,12 +286,10 @@ def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) 
             o = torch.empty(M, N, device=dev, dtype=dtype)
             ref = torch.nn.functional.linear(x.float(), w32)
             limit = max(TOL[dtype], 2 * rel_err(torch.nn.functional.linear(x, w32.to(dtype)), ref))
-            base = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms),
-                        **w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)[1])
+            base = _table_launch(dev, M, N, K, sms)[2]
             launches = [dict(base, **{key: False}), dict(base, **{key: True})]
             if M >= 64:
-                launches += [dict(dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=st,
-                                       scale_a=True, wide=True), **{key: v}) for st in (2, 3) for v in (False, True)]
+                launches += [dict(_tile_128(M, st), **{key: v}) for st in (2, 3) for v in (False, True)]
             row = dict(shape=NAMES.get((K, N), f"{K}x{N}"), K=K, N=N, M=M, limit=limit,
                        bf16_ms=time_ms(partial(torch.nn.functional.linear, x), dev, bf16, **timing), launches=[])
             for cfg in launches:
@@ -303,7 +316,7 @@ def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None 
     256 x 128 tile of 8 warps at 3), each called once, and cuBLAS bf16 on the same shape; nothing timed (ncu replays
     each launch for its counters, and its default cache control flushes L2 first, so the weights come from HBM as in
     a decode step). The list, in launch order, is what the report's kernels are."""
-    from vserve.kernels import triton_w4a16_tc, w4a16_dispatch
+    from vserve.kernels import triton_w4a16_tc
 
     sms = _sms(dev)
     order = []
@@ -314,11 +327,10 @@ def profile_launches(dev: str, shapes, rows, dtype, launches: list[dict] | None 
         for M in rows:
             x = torch.randn(M, K, device=dev, dtype=dtype)
             o = torch.empty(M, N, device=dev, dtype=dtype)
-            path, launch = w4a16_dispatch.choose_tc(torch.device(dev), N, K, M)
-            table = dict(triton_w4a16_tc.tc_default_config(M, N, K, sms), **launch)
+            path, launch, table = _table_launch(dev, M, N, K, sms)
             extra = launches if launches is not None else [
-                dict(block_n=128, block_m=min(128, M), split_k=1, num_warps=4, num_stages=2, scale_a=True, wide=True),
-                dict(block_n=256, block_m=128, split_k=1, num_warps=8, num_stages=3, scale_a=True, wide=True)]
+                _tile_128(M, 2), dict(block_n=256, block_m=128, split_k=1, num_warps=8, num_stages=3, scale_a=True,
+                                      wide=True)]
             named = [("table" if launch else "defaults (not in the table)" if path == "tc" else
                       f"defaults (the table: {path})", table)]
             for name, cfg in named + [(f"launch {i}", c) for i, c in enumerate(extra)]:
