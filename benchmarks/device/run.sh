@@ -12,6 +12,7 @@
 #         none: no rows; commit $OUT/w4a16_configs.json; W4_ARGS: more options, e.g. "--merge --rows 512,4096")
 #   w4ab  w4a16_tc.py --wide-ab: the tc kernel with and without its WIDE dot at the same launches, vs cuBLAS (#31)
 #   w4words  w4a16_tc.py --words-ab: the same with its 16-bit scales read as int32 words and as stored (#31)
+#   w4even   w4a16_tc.py --even-ab: the same with and without the masks along N where the tile divides N (#31)
 #   w4ncu the tc kernel at the table's launch, a 128 x 128 tile on 4 warps at 2 stages (two programs an SM) and a
 #         256 x 128 tile on 8 warps, and cuBLAS bf16, under Nsight Compute (w4a16_tc.py --profile; W4AB_ROWS,
 #         default 128,256; W4AB_SHAPES, default gate_up; NCU_S): ncu.txt (every section's details), ncu_raw.csv (every
@@ -78,9 +79,9 @@ moe)
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/fused_moe.py --tune --out "$OUT" > "$OUT/moe_tune.log" 2>&1
   [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" kernels/
   rows deepseek_v2_lite_512 ;;
-w4ab|w4words)  # the tc kernel with and without WIDE (w4words: its scales as int32 words) at the same launches, vs
-  # cuBLAS bf16 (W4AB_ROWS)
-  flag=--wide-ab; [ "$MODE" = w4words ] && flag=--words-ab
+w4ab|w4words|w4even)  # the tc kernel with and without WIDE (w4words: its scales as int32 words; w4even: its N
+  # masks) at the same launches, vs cuBLAS bf16 (W4AB_ROWS)
+  flag=--wide-ab; [ "$MODE" = w4words ] && flag=--words-ab; [ "$MODE" = w4even ] && flag=--even-ab
   timeout "${TUNE_S:-300}" python3 benchmarks/kernels/w4a16_tc.py $flag --rows "${W4AB_ROWS:-1,8,32,128,256,1024}" \
     ${W4AB_SHAPES:+--shapes "$W4AB_SHAPES"} --out "$OUT" > "$OUT/$MODE.log" 2>&1
   grep -e "-ab " "$OUT/$MODE.log" | cut -c1-400 ;;

@@ -7,6 +7,7 @@ step finds them).
     python benchmarks/kernels/w4a16_tc.py --tune --out $OUT      # ~4 min: OUT/w4a16_configs.json
     python benchmarks/kernels/w4a16_tc.py --tune --compare --out $OUT   # ~6 min: --compare at the tuned launches
     python benchmarks/kernels/w4a16_tc.py --words-ab --rows 1,64,256 --out $OUT   # scales as int32 words vs not
+    python benchmarks/kernels/w4a16_tc.py --even-ab --rows 1,128,256 --out $OUT   # no N masks (EVEN_N) vs masks
     ncu --set full ... python benchmarks/kernels/w4a16_tc.py --profile --rows 256 --shapes 4096:28672 --out $OUT
     python benchmarks/kernels/w4a16_tc.py --cpu-smoke --out /tmp/w4tc   # tiny shapes, TRITON_INTERPRET=1
 
@@ -245,7 +246,8 @@ def _sms(dev: str) -> int:
 
 def _ab_cell(c: dict) -> str:
     """One launch of an A/B row as the log shows it: [tile, split, warps, stages, flags] and its ms or the error."""
-    flags = (" wide" if c.get("wide") else "") + (" words" if c.get("scale_words") else "")
+    flags = (" wide" if c.get("wide") else "") + (" words" if c.get("scale_words") else "") + \
+        (" even" if c.get("even_n") else "")
     time = (f"{c['ms']:.4f}" + ("" if c["ok"] else " BAD")) if "ms" in c else "error"
     return f"[{c['block_n']}x{c['block_m']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}{flags}] {time}"
 
@@ -266,10 +268,11 @@ def _tile_128(M: int, stages: int) -> dict:
 
 
 def launch_ab(dev: str, shapes, rows, dtype, cold: int, timing: dict, key: str) -> list[dict]:
-    """The kernel with and without a launch keyword (key: wide, the one K = 128 dot a tile; or scale_words, the
-    16-bit scales read as int32 words the pipeline prefetches) at the same launches (the table's or the defaults',
-    and for 64 rows and up one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages), against cuBLAS bf16 on the same
-    weight; each launch's result checked against F.linear on the fp32 dequantized weight (the --check tolerance)."""
+    """The kernel with and without a launch keyword (key: wide, the one K = 128 dot a tile; scale_words, the
+    16-bit scales read as int32 words the pipeline prefetches; or even_n, no masks along N) at the same launches
+    (the table's or the defaults', and for 64 rows and up one 128 x min(M, 128) tile of 4 warps at 2 and 3 stages),
+    against cuBLAS bf16 on the same weight; each launch's result checked against F.linear on the fp32 dequantized
+    weight (the --check tolerance)."""
     from timing import copies, time_ms
 
     from vserve.kernels import triton_w4a16_tc, w4a16_ref
@@ -547,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide-ab", action="store_true", help="the kernel with and without WIDE at the same launches")
     ap.add_argument("--words-ab", action="store_true",
                     help="the kernel with its 16-bit scales read as int32 words and as stored, at the same launches")
+    ap.add_argument("--even-ab", action="store_true",
+                    help="the kernel with and without its masks along N where the tile divides N, at the same launches")
     ap.add_argument("--profile", action="store_true",
                     help="each launch of profile_launches once, untimed: for Nsight Compute (run.sh w4ncu)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M for --compare and --tune")
@@ -568,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     from timing import smoke_iters
 
     if args.cpu_smoke:
-        args.check = args.compare = args.tune = args.wide_ab = args.words_ab = args.profile = True
+        args.check = args.compare = args.tune = args.wide_ab = args.words_ab = args.even_ab = args.profile = True
         dev, shapes, rows, check_rows, dtype, cold = "cpu", [(256, 64)], [1, 5], [1, 5], torch.float16, 0
         timing = smoke_iters(True)
     else:
@@ -576,8 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
         rows, check_rows = [int(m) for m in args.rows.split(",")], CHECK_ROWS
         timing = {}
-        if not (args.check or args.compare or args.tune or args.wide_ab or args.words_ab or args.profile):
-            ap.error("give --check, --compare, --tune, --wide-ab, --words-ab and/or --profile")
+        if not (args.check or args.compare or args.tune or args.wide_ab or args.words_ab or args.even_ab
+                or args.profile):
+            ap.error("give --check, --compare, --tune, --wide-ab, --words-ab, --even-ab and/or --profile")
     from vserve.kernels import w4a16_dispatch
 
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke: the numbers mean nothing)",
@@ -593,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [r for r in res["check"] if r["ok"] is False]
         log(f"check: {sum(r['ok'] is True for r in res['check'])}/{sum(r['ok'] is not None for r in res['check'])} ok"
             + "".join(f"\n  FAIL {r}" for r in bad))
-    for key, on in (("wide", args.wide_ab), ("scale_words", args.words_ab)):
+    for key, on in (("wide", args.wide_ab), ("scale_words", args.words_ab), ("even_n", args.even_ab)):
         if on:
             res[f"{key}_ab"] = launch_ab(dev, shapes, rows, dtype, cold, timing, key)
             bad += [c for r in res[f"{key}_ab"] for c in r["launches"] if c.get("ok") is False]
