@@ -411,7 +411,7 @@ def precompile(pool: tuple | None, dev: str, dtype: torch.dtype, jobs: list[tupl
     nothing (they compile when first timed)."""
     seen, todo = set(), []
     for K, N, cfg in jobs:
-        key = (K % 128 == 0, tuple(sorted(cfg.items())))  # what the compiled variant depends on (EVEN_K, launch)
+        key = (K % 128 == 0, N % cfg["block_n"] == 0, tuple(sorted(cfg.items())))  # the variant's EVEN_K, EVEN_N
         if key not in seen:
             seen.add(key)
             todo.append((K, N, cfg))
