@@ -136,6 +136,27 @@ def test_16_bit_scales_read_as_int32_words_or_as_stored(seed, sdtype, N):
 
 
 @pytest.mark.parametrize("layout", ["awq", "gptq-act"])
+def test_no_masks_along_n_where_the_tile_divides_n_gives_the_same_bits(seed, layout):
+    """EVEN_N (tc_gemm's even_n, on by default): where block_n divides N the kernel drops its masks along N; the
+    output is the masked kernel's, bit for bit, for the unscaled, scaled and wide launches and split-K; where
+    block_n does not divide N (40 over 16) the masks stay and the result still equals the reference."""
+    for N in (32, 40):
+        qweight, scales, qzeros, g_idx, kind, gs = checkpoint(layout, N, 256, 128)
+        tq, ts, tz, perm, tgs = repack(qweight, scales, qzeros, g_idx, kind, 4, gs, 256, N)
+        x = torch.randn(5, 256)
+        ref = w4a16_ref.w4a16_gemm_ref(x, qweight, scales, qzeros, g_idx, kind, 4, gs)
+        for launch in (dict(scale_a=False, split_k=2), dict(scale_a=True, wide=True, split_k=1)):
+            outs = []
+            for even_n in (True, False):
+                out = torch.full((5, N), float("nan"))
+                triton_w4a16_tc.tc_gemm(x, tq, ts, tz, perm, tgs, out, block_n=16, block_m=16, num_warps=4,
+                                        num_stages=2, even_n=even_n, **launch)
+                _close(out, ref, torch.float32, seed)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (N, launch)
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq-act"])
 def test_the_tc_layouts_dequantize_path_matches_the_reference(seed, layout):
     """Path "dequant" on the tc layout: the weight dequantized (in the repacked K order) into the shared buffer, x's
     columns through act-order's perm, then cuBLAS (here torch.matmul)."""
